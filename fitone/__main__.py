@@ -1,0 +1,5 @@
+import sys
+
+from fitone.cli import main
+
+sys.exit(main())

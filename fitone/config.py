@@ -1,0 +1,193 @@
+"""One settings object for the CLI, the Python API and recipes.
+
+`TrainConfig` owns every default. The CLI builds one from flags, a recipe from YAML; both go through
+`TrainConfig.from_dict`, so an unknown key is always an error naming the nearest valid one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Mapping
+
+from fitone.errors import ConfigError
+
+PRECISIONS = ("fp16", "bf16", "fp32")
+OFFLOADS = ("cpu", "none")
+DEVICES = ("auto", "cuda", "cpu")
+LR_SCHEDULES = ("constant", "linear")
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
+}
+
+
+def parse_size(text: str | int | float | None, what: str = "memory size") -> int | None:
+    """Bytes from '24GiB', '24GB' (10^9), '23.5 gib', '512MiB' or a plain number of bytes."""
+    if text is None:
+        return None
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = int(text)
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+        unit = m.group(2).lower() if m else None
+        if not m or unit not in _UNITS:
+            raise ConfigError(f"cannot read {what} {text!r}: write it like 24GiB, 24GB or 512MiB")
+        value = int(float(m.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ConfigError(f"{what} must be positive, got {text!r}")
+    return value
+
+
+def gib(n_bytes: float) -> float:
+    return n_bytes / 1024**3
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Everything that decides a run. Field names are the CLI's flag names with '-' for '_'."""
+
+    # model
+    model: str | None = None
+    from_scratch: bool = False
+    # data
+    data: str = "sample"
+    source_field: str = "source"
+    target_field: str = "target"
+    text_field: str = "text"
+    src_len: int = 128
+    tgt_len: int = 128
+    seq_len: int = 512
+    eval_examples: int = 64
+    # batch and schedule
+    batch_size: int | str = 8
+    grad_accum: int | None = None
+    global_batch: int | None = None
+    lr: float = 1e-4
+    warmup_steps: int = 0
+    lr_schedule: str = "constant"
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    max_steps: int | None = None
+    epochs: float = 1.0
+    seed: int = 42
+    # memory and precision
+    precision: str = "fp16"
+    activation_checkpointing: bool = True
+    offload: str = "cpu"
+    ds_config: str | None = None
+    max_gpu_memory: str | None = None
+    device: str = "auto"
+    # run directory
+    out: str | None = None
+    save_every: int | None = None
+    keep_checkpoints: int = 2
+    resume: bool = False
+    overwrite: bool = False
+    log_every: int = 1
+    verbose: bool = False
+    progress: bool = True
+    # numerical and memory guards
+    max_bad_steps: int = 20
+    host_mem_warn: float = 0.90
+    host_mem_stop: float = 0.95
+
+    # filled by the recipe loader: where the values came from
+    recipe: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # -- construction -------------------------------------------------------------------------
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any], *, where: str = "options") -> "TrainConfig":
+        """Build from a mapping; unknown keys are an error naming the nearest valid key."""
+        check_keys(values, cls.field_names(), where)
+        return cls(**{k.replace("-", "_"): v for k, v in values.items()})
+
+    def replace(self, **changes: Any) -> "TrainConfig":
+        check_keys(changes, self.field_names(), "options")
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    # -- derived values -----------------------------------------------------------------------
+    @property
+    def max_gpu_memory_bytes(self) -> int | None:
+        return parse_size(self.max_gpu_memory, "--max-gpu-memory")
+
+    def accumulation(self, micro_batch: int, world_size: int = 1) -> int:
+        """Gradient-accumulation steps: given, or derived from --global-batch."""
+        if self.global_batch is None:
+            return self.grad_accum or 1
+        per_step = micro_batch * world_size
+        if self.global_batch % per_step:
+            nearest = max(per_step, round(self.global_batch / per_step) * per_step)
+            raise ConfigError(
+                f"--global-batch {self.global_batch} is not a multiple of micro-batch x GPUs = {per_step}: "
+                f"use --global-batch {nearest} or another --batch-size"
+            )
+        return self.global_batch // per_step
+
+    # -- validation ---------------------------------------------------------------------------
+    def validate(self) -> None:
+        for name in ("src_len", "tgt_len", "seq_len", "keep_checkpoints", "log_every"):
+            _positive_int(name, getattr(self, name))
+        for name in ("grad_accum", "global_batch", "max_steps", "save_every"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
+        if self.eval_examples < 0:
+            raise ConfigError("--eval-examples must be 0 or more")
+        if self.batch_size != "auto":
+            if isinstance(self.batch_size, str) and self.batch_size.isdigit():
+                self.batch_size = int(self.batch_size)
+            _positive_int("batch_size", self.batch_size, hint="or 'auto' to probe for it")
+        if self.grad_accum is not None and self.global_batch is not None:
+            raise ConfigError("give --grad-accum or --global-batch, not both (one is derived from the other)")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ConfigError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
+        if self.offload not in OFFLOADS:
+            raise ConfigError(f"--offload must be one of {', '.join(OFFLOADS)}, got {self.offload!r}")
+        if self.device not in DEVICES:
+            raise ConfigError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if not (self.lr > 0):
+            raise ConfigError(f"--lr must be positive, got {self.lr}")
+        if not (self.epochs > 0):
+            raise ConfigError(f"--epochs must be positive, got {self.epochs}")
+        if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip < 0:
+            raise ConfigError("--warmup-steps, --weight-decay and --grad-clip cannot be negative")
+        if self.resume and self.overwrite:
+            raise ConfigError("give --resume or --overwrite, not both")
+        if not 0 < self.host_mem_warn <= self.host_mem_stop <= 1:
+            raise ConfigError("host-memory thresholds need 0 < host_mem_warn <= host_mem_stop <= 1")
+        parse_size(self.max_gpu_memory, "--max-gpu-memory")
+        if self.ds_config is not None and not Path(self.ds_config).is_file():
+            raise ConfigError(f"--ds-config {self.ds_config}: no such file; give the path of a DeepSpeed JSON file")
+
+
+def _positive_int(name: str, value: Any, hint: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        flag = "--" + name.replace("_", "-")
+        raise ConfigError(f"{flag} must be a positive whole number{', ' + hint if hint else ''}; got {value!r}")
+
+
+def check_keys(values: Mapping[str, Any], valid: list[str], where: str) -> None:
+    """Raise ConfigError for the first unknown key, naming the closest valid one."""
+    for key in values:
+        norm = key.replace("-", "_")
+        if norm not in valid:
+            near = difflib.get_close_matches(norm, valid, n=1)
+            hint = f"; did you mean {near[0]!r}?" if near else f"; valid keys: {', '.join(valid)}"
+            raise ConfigError(f"unknown key {key!r} in {where}{hint}")

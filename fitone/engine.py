@@ -1,0 +1,207 @@
+"""DeepSpeed engine lifecycle, in-process: distributed env, init, one micro-step, save/load, teardown.
+
+Without a launcher DeepSpeed still wants the torch.distributed env vars; they are set here (free port,
+world of one) when absent, and left alone under `deepspeed` or `torchrun`, which set them per rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from fitone.config import TrainConfig
+from fitone.errors import DeviceError
+from fitone import memory
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_dist_env() -> DistInfo:
+    """Fill in MASTER_ADDR/PORT, RANK, LOCAL_RANK, WORLD_SIZE for a single process; keep a launcher's."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
+    return DistInfo(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
+
+
+def resolve_device(cfg: TrainConfig) -> str:
+    """'cuda' or 'cpu', failing early on combinations DeepSpeed would reject later with a traceback."""
+    has_cuda = memory.cuda_ready()
+    device = cfg.device if cfg.device != "auto" else ("cuda" if has_cuda else "cpu")
+    if device == "cuda" and not has_cuda:
+        raise DeviceError("--device cuda but no CUDA GPU is visible: use --device cpu (slow) or check the driver")
+    if device == "cpu":
+        if cfg.precision == "fp16":
+            raise DeviceError("fp16 needs a CUDA GPU (DeepSpeed's CPU accelerator refuses it): "
+                              "use --precision bf16 or fp32 on the CPU")
+        if cfg.max_gpu_memory:
+            raise DeviceError("--max-gpu-memory caps a GPU, but this run is on the CPU: drop it or use --device cuda")
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    elif cfg.precision == "bf16" and not torch.cuda.is_bf16_supported():
+        raise DeviceError(f"{memory.gpu_name()} has no bf16: use --precision fp16 or fp32")
+    return device
+
+
+def apply_gpu_cap(cfg: TrainConfig) -> None:
+    cap = cfg.max_gpu_memory_bytes
+    if cap is None:
+        return
+    try:
+        memory.cap_gpu_memory(cap)
+    except ValueError as exc:
+        raise DeviceError(f"--max-gpu-memory {cfg.max_gpu_memory}: {exc}; give a smaller cap") from exc
+
+
+def quiet_logs(verbose: bool) -> None:
+    """DeepSpeed and transformers print a lot at init; keep it for --verbose."""
+    level = logging.INFO if verbose else logging.WARNING
+    from deepspeed.utils import logger as ds_logger
+    import transformers
+
+    ds_logger.setLevel(level)
+    transformers.logging.set_verbosity(level if verbose else logging.ERROR)
+
+
+def init_distributed(device: str) -> DistInfo:
+    info = ensure_dist_env()
+    import deepspeed
+
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo", verbose=False)
+    if device == "cuda":
+        torch.cuda.set_device(info.local_rank)
+    return info
+
+
+class Engine:
+    """A DeepSpeed ZeRO-2 engine around a model, with the few operations training and probing need."""
+
+    def __init__(self, model: torch.nn.Module, ds_config: dict[str, Any]):
+        import deepspeed
+
+        start = time.perf_counter()
+        self.ds_config = ds_config
+        self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config
+        )
+        self.init_s = time.perf_counter() - start
+
+    @property
+    def device(self) -> torch.device:
+        return self.ds.device
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.ds.module
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        return self.ds(**batch).loss
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.ds.backward(loss)
+
+    def step(self) -> None:
+        """Optimizer step at accumulation boundaries (DeepSpeed counts micro-steps itself)."""
+        self.ds.step()
+
+    @property
+    def at_boundary(self) -> bool:
+        return self.ds.is_gradient_accumulation_boundary()
+
+    @property
+    def global_steps(self) -> int:
+        return self.ds.global_steps
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.ds.skipped_steps
+
+    @property
+    def last_step_applied(self) -> bool:
+        return bool(getattr(self.ds, "_step_applied", True))
+
+    @property
+    def loss_scale(self) -> float | None:
+        if "fp16" not in self.ds_config:
+            return None
+        return float(getattr(self.optimizer, "loss_scale", 0.0) or 0.0)
+
+    @property
+    def lr(self) -> float:
+        return float(self.ds.get_lr()[0])
+
+    def reset_after_oom(self) -> None:
+        """Make the engine usable after an OOM in backward.
+
+        ZeRO-2 marks each gradient partition as reduced as backward goes; a backward cut short leaves
+        some marked, and the next backward fails with 'Gradient computed twice for this partition'.
+        Clearing the gradients and the partition bookkeeping restores a fresh-step state.
+        """
+        opt = self.optimizer
+        opt.zero_grad(set_to_none=True)
+        for name in ("reset_partition_gradient_structures", "reset_cpu_buffers"):
+            if hasattr(opt, name):
+                getattr(opt, name)()
+        for i, group in enumerate(getattr(opt, "params_already_reduced", [])):
+            opt.params_already_reduced[i] = False
+        for attr in ("params_in_ipg_bucket", "grads_in_ipg_bucket"):
+            if hasattr(opt, attr):
+                getattr(opt, attr).clear()
+        if hasattr(opt, "elements_in_ipg_bucket"):
+            opt.elements_in_ipg_bucket = 0
+        if hasattr(opt, "extra_large_param_to_reduce"):
+            opt.extra_large_param_to_reduce = None
+        self.ds.zero_grad()
+        memory.free_memory()
+
+    def save(self, save_dir: str, tag: str, client_state: dict[str, Any]) -> None:
+        self.ds.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
+
+    def load(self, load_dir: str, tag: str) -> dict[str, Any]:
+        _path, client_state = self.ds.load_checkpoint(load_dir, tag=tag, load_optimizer_states=True,
+                                                      load_lr_scheduler_states=True)
+        if _path is None:
+            raise FileNotFoundError(f"{load_dir}/{tag}")
+        return client_state or {}
+
+    def close(self) -> None:
+        """Free the engine's GPU and pinned host memory so a notebook can run another."""
+        try:
+            self.ds.destroy()
+        finally:
+            del self.ds, self.optimizer, self.scheduler
+            memory.free_memory()
+
+
+@contextmanager
+def engine_session(model: torch.nn.Module, ds_config: dict[str, Any]) -> Iterator[Engine]:
+    engine = Engine(model, ds_config)
+    try:
+        yield engine
+    finally:
+        engine.close()

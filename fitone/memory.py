@@ -1,0 +1,100 @@
+"""Memory readings, OOM detection and cleanup. Imports nothing of fitone, so everything can use it."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import psutil
+import torch
+
+GIB = 1024**3
+
+_OOM_MESSAGES = (
+    "CUDA out of memory",
+    "out of memory",  # generic allocator / cuDNN / cuBLAS wording
+    "CUBLAS_STATUS_ALLOC_FAILED",
+    "CUDNN_STATUS_NOT_SUPPORTED",  # cuDNN's way of saying it had no workspace
+    "DefaultCPUAllocator: can't allocate memory",
+)
+
+
+def is_oom_error(exc: BaseException) -> bool:
+    """True when `exc` means 'this batch did not fit' (as accelerate's should_reduce_batch_size)."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    if isinstance(exc, RuntimeError) and len(exc.args) == 1:
+        return any(msg in str(exc.args[0]) for msg in _OOM_MESSAGES)
+    return False
+
+
+def free_memory() -> None:
+    """Release what a failed or finished attempt left behind: Python garbage, then the CUDA cache."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def cuda_ready() -> bool:
+    return torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
+def gpu_total_bytes(device: int | None = None) -> int | None:
+    if not cuda_ready():
+        return None
+    return torch.cuda.get_device_properties(device if device is not None else torch.cuda.current_device()).total_memory
+
+
+def gpu_free_bytes() -> int | None:
+    if not cuda_ready():
+        return None
+    free, _total = torch.cuda.mem_get_info()
+    return free
+
+
+def gpu_name() -> str:
+    return torch.cuda.get_device_name() if cuda_ready() else "cpu"
+
+
+def cap_gpu_memory(cap_bytes: int) -> float:
+    """Cap this process's CUDA allocator at `cap_bytes` (to stand for a smaller card). Returns the fraction."""
+    total = gpu_total_bytes()
+    if total is None:
+        raise ValueError("no CUDA device to cap")
+    if cap_bytes > total:
+        raise ValueError(f"cap {cap_bytes / GIB:.1f} GiB is larger than the GPU's {total / GIB:.1f} GiB")
+    fraction = cap_bytes / total
+    torch.cuda.set_per_process_memory_fraction(fraction)
+    return fraction
+
+
+def reset_gpu_peak() -> None:
+    if cuda_ready():
+        torch.cuda.reset_peak_memory_stats()
+
+
+def gpu_peak_bytes() -> int:
+    """Peak bytes the CUDA allocator handed out since the last reset (0 without a GPU)."""
+    return torch.cuda.max_memory_allocated() if cuda_ready() else 0
+
+
+def gpu_reserved_peak_bytes() -> int:
+    return torch.cuda.max_memory_reserved() if cuda_ready() else 0
+
+
+def host_rss_bytes() -> int:
+    """Resident memory of this process."""
+    return psutil.Process(os.getpid()).memory_info().rss
+
+
+def host_available_bytes() -> int:
+    return psutil.virtual_memory().available
+
+
+def host_total_bytes() -> int:
+    return psutil.virtual_memory().total
+
+
+def host_used_fraction() -> float:
+    return psutil.virtual_memory().percent / 100.0

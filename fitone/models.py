@@ -1,0 +1,143 @@
+"""Load or build models and tokenizers, and switch on activation checkpointing.
+
+`--model NAME` with `--from-scratch` builds the architecture from a config shipped in
+`fitone/model_configs/` (random weights, nothing downloaded); without it, `from_pretrained` loads a
+hub id or a local directory. The task (seq2seq or causal LM) follows from the model config.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSeq2SeqLM,
+    AutoTokenizer,
+    ByT5Tokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+)
+
+from fitone.errors import ModelError
+
+CONFIG_DIR = Path(__file__).parent / "model_configs"
+
+SEQ2SEQ = "seq2seq"
+CAUSAL = "causal"
+
+
+def shipped_models() -> list[str]:
+    """Names `--from-scratch` can build, found by globbing the shipped config folder."""
+    return sorted(p.stem for p in CONFIG_DIR.glob("*.json"))
+
+
+def task_of(config: PretrainedConfig) -> str:
+    return SEQ2SEQ if getattr(config, "is_encoder_decoder", False) else CAUSAL
+
+
+def load_config(name: str, *, from_scratch: bool) -> PretrainedConfig:
+    """The model's config: shipped (from scratch, or a local dir/hub id) without touching weights."""
+    if from_scratch and name in shipped_models():
+        values = json.loads((CONFIG_DIR / f"{name}.json").read_text())
+        return AutoConfig.for_model(**values)
+    if from_scratch and Path(name, "config.json").is_file():
+        return AutoConfig.from_pretrained(name)
+    if from_scratch:
+        raise ModelError(
+            f"no shipped config named {name!r} for --from-scratch; choose one of {', '.join(shipped_models())} "
+            "or give a directory holding a config.json"
+        )
+    try:
+        return AutoConfig.from_pretrained(name)
+    except (OSError, ValueError) as exc:
+        raise ModelError(_not_found(name)) from exc
+
+
+def _not_found(name: str) -> str:
+    where = "local directory" if os.path.sep in name or name.startswith(".") else "model id"
+    hint = f"; or add --from-scratch to build it with random weights" if name in shipped_models() else ""
+    return (
+        f"cannot load {where} {name!r}: not a directory with config.json and not in the local Hugging Face cache "
+        f"(no network or unknown id): give a local path saved with save_pretrained{hint}"
+    )
+
+
+@dataclass
+class LoadedModel:
+    model: PreTrainedModel
+    tokenizer: Any
+    task: str
+    config: PretrainedConfig
+
+    @property
+    def n_params(self) -> int:
+        return sum(p.numel() for p in self.model.parameters())
+
+
+def build_model(config: PretrainedConfig, *, meta: bool = False, dtype: torch.dtype | None = None) -> PreTrainedModel:
+    """Random-weight model from a config; on the meta device (no memory) when `meta`."""
+    auto = AutoModelForSeq2SeqLM if task_of(config) == SEQ2SEQ else AutoModelForCausalLM
+    if meta:
+        from accelerate import init_empty_weights
+
+        ctx = init_empty_weights()
+    else:
+        ctx = nullcontext()
+    with ctx:
+        model = auto.from_config(config, dtype=dtype) if dtype else auto.from_config(config)
+    model.tie_weights()  # init_empty_weights leaves tied embeddings untied
+    return model
+
+
+def load_model(name: str, *, from_scratch: bool, seed: int = 0) -> LoadedModel:
+    """Weights and tokenizer: pretrained from a hub id / local dir, or built from a config."""
+    if not name:
+        raise ModelError("no model given: pass --model (a hub id, a local dir, or a shipped name with --from-scratch)")
+    config = load_config(name, from_scratch=from_scratch)
+    if from_scratch:
+        torch.manual_seed(seed)
+        model = build_model(config)
+    else:
+        auto = AutoModelForSeq2SeqLM if task_of(config) == SEQ2SEQ else AutoModelForCausalLM
+        try:
+            model = auto.from_pretrained(name)
+        except (OSError, ValueError) as exc:
+            raise ModelError(_not_found(name) + f" ({exc.__class__.__name__})") from exc
+    tokenizer = load_tokenizer(name, config)
+    return LoadedModel(model=model, tokenizer=tokenizer, task=task_of(config), config=config)
+
+
+def load_tokenizer(name: str, config: PretrainedConfig):
+    """The model's own tokenizer where it has one, else the ByT5 byte tokenizer (needs no files)."""
+    has_files = Path(name).is_dir() and any(
+        (Path(name) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "spiece.model", "vocab.json")
+    )
+    if has_files or (not Path(name).is_dir() and name not in shipped_models()):
+        try:
+            tok = AutoTokenizer.from_pretrained(name)
+        except (OSError, ValueError):
+            tok = ByT5Tokenizer()
+    else:
+        tok = ByT5Tokenizer()
+    if tok.pad_token_id is None:  # causal LMs such as gpt2 ship without a pad token
+        tok.pad_token = tok.eos_token
+    if len(tok) > config.vocab_size and isinstance(tok, ByT5Tokenizer) is False:
+        raise ModelError(f"tokenizer of {name!r} has {len(tok)} tokens but the model only {config.vocab_size}")
+    return tok
+
+
+def enable_activation_checkpointing(model: PreTrainedModel) -> None:
+    """Recompute activations in backward. HF models ignore DeepSpeed's own setting, so set it here."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.config.use_cache = False

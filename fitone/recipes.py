@@ -1,0 +1,101 @@
+"""Built-in recipes: `recipes/<model>/<gpu-class>.yaml`, flat keys that are train options.
+
+Found by globbing the folder (no hand-kept registry). In a source checkout that is the repo's
+`recipes/`; an installed fitone carries the same files as package data.
+"""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from fitone.config import TrainConfig, check_keys
+from fitone.errors import ConfigError
+
+
+def recipe_dir() -> Path:
+    checkout = Path(__file__).resolve().parent.parent / "recipes"
+    if checkout.is_dir():
+        return checkout
+    from importlib.resources import files
+
+    return Path(str(files("fitone") / "_recipes"))
+
+
+@dataclass
+class Recipe:
+    name: str  # "<model>/<gpu-class>"
+    path: Path
+    values: dict[str, Any]
+    header: str  # the leading comment block: the command that runs it, and what was measured
+
+    def config(self, **overrides: Any) -> TrainConfig:
+        return TrainConfig.from_dict({**self.values, **overrides, "recipe": self.name}, where=f"recipe {self.name}")
+
+
+def list_recipes() -> list[Recipe]:
+    return [_read(p) for p in sorted(recipe_dir().glob("*/*.yaml"))]
+
+
+def recipe_names() -> list[str]:
+    return [f"{p.parent.name}/{p.stem}" for p in sorted(recipe_dir().glob("*/*.yaml"))]
+
+
+def load_recipe(name: str) -> Recipe:
+    """A recipe by name ('t5-3b/24gb') or by path to a YAML file (a copied and edited one)."""
+    path = Path(name)
+    if path.suffix in (".yaml", ".yml") and path.is_file():
+        return _read(path)
+    candidate = recipe_dir() / f"{name.removesuffix('.yaml')}.yaml"
+    if not candidate.is_file():
+        import difflib
+
+        names = recipe_names()
+        near = difflib.get_close_matches(name, names, n=1)
+        hint = f"did you mean {near[0]!r}?" if near else f"available: {', '.join(names)}"
+        raise ConfigError(f"no recipe named {name!r}: {hint} (`fitone recipes` lists them)")
+    return _read(candidate)
+
+
+def _read(path: Path) -> Recipe:
+    text = path.read_text()
+    try:
+        values = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"recipe {path} is not valid YAML ({exc}); fix the file") from exc
+    if not isinstance(values, dict):
+        raise ConfigError(f"recipe {path} must be a mapping of train options (key: value)")
+    name = f"{path.parent.name}/{path.stem}"
+    check_keys(values, TrainConfig.field_names(), f"recipe {name}")
+    header = "\n".join(line for line in text.splitlines() if line.startswith("#"))
+    return Recipe(name=name, path=path, values=values, header=header)
+
+
+def copy_recipe(name: str, dest: str | Path) -> Path:
+    """Copy a recipe out to edit; never overwrites."""
+    recipe = load_recipe(name)
+    dest = Path(dest)
+    if dest.is_dir():
+        dest = dest / f"{recipe.path.parent.name}-{recipe.path.name}"
+    if dest.exists():
+        raise ConfigError(f"{dest} already exists: choose another destination")
+    shutil.copyfile(recipe.path, dest)
+    return dest
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    """key=value pairs from the command line; values parsed as YAML scalars (8 -> int, true -> bool)."""
+    out = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ConfigError(f"cannot read override {pair!r}: write key=value, e.g. batch_size=16")
+        key, _, raw = pair.partition("=")
+        try:
+            out[key.strip().replace("-", "_")] = yaml.safe_load(raw) if raw else None
+        except yaml.YAMLError:
+            out[key.strip().replace("-", "_")] = raw
+    return out

@@ -1,0 +1,418 @@
+"""The training story: setup (run dir, device, model, data, engine) -> loop -> export -> cleanup.
+
+`train(cfg)` is what `fitone train` and notebooks call. Every memory-relevant step of the loop is
+visible here; the DeepSpeed specifics live in engine.py, the files in checkpoint.py and metrics.py.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fitone import checkpoint, memory
+from fitone.config import TrainConfig, gib
+from fitone.data import Dataset, batches, load_dataset, steps_per_epoch
+from fitone.ds_config import build_ds_config
+from fitone.engine import DistInfo, Engine, apply_gpu_cap, init_distributed, quiet_logs, resolve_device
+from fitone.errors import ConfigError, FitoneError, MemoryBudgetError, RunDirError, TrainingAborted
+from fitone.guards import BadStepStreak, HostMemoryWatch, StopRequest
+from fitone.metrics import MetricsLog
+from fitone.models import CAUSAL, SEQ2SEQ, LoadedModel, enable_activation_checkpointing, load_model
+
+
+@dataclass
+class TrainResult:
+    """What a run did. `losses` and `step_times` have one entry per optimizer step of this call."""
+
+    steps: int
+    losses: list[float]
+    step_times: list[float]
+    samples_per_s: float | None
+    peak_gpu_bytes: int
+    peak_host_rss_bytes: int
+    init_s: float
+    wall_s: float
+    micro_batch: int
+    grad_accum: int
+    world_size: int
+    precision: str
+    skipped_steps: int
+    quality: dict[str, float] = field(default_factory=dict)
+    out_dir: str | None = None
+    final_dir: str | None = None
+    resumed_from: int | None = None
+    truncated_examples: int = 0
+
+    @property
+    def final_loss(self) -> float | None:
+        return self.losses[-1] if self.losses else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        q = ", ".join(f"{k} {v:.3f}" for k, v in self.quality.items())
+        return (f"TrainResult({self.steps} steps, loss {_first(self.losses):.4f} -> {_last(self.losses):.4f}, "
+                f"{self.samples_per_s or 0:.1f} samples/s, peak GPU {gib(self.peak_gpu_bytes):.1f} GiB, "
+                f"host {gib(self.peak_host_rss_bytes):.1f} GiB{', ' + q if q else ''})")
+
+    def plot(self, path: str | Path) -> Path:
+        from fitone.report import plot_losses
+
+        return plot_losses(self.losses, path)
+
+
+def _first(xs: list[float]) -> float:
+    return xs[0] if xs else float("nan")
+
+
+def _last(xs: list[float]) -> float:
+    return xs[-1] if xs else float("nan")
+
+
+def train(cfg: TrainConfig | None = None, **overrides: Any) -> TrainResult:
+    """Fine-tune with DeepSpeed ZeRO-2 (+ CPU offload) in this process. See TrainConfig for options."""
+    cfg = cfg.replace(**overrides) if cfg is not None else TrainConfig(**overrides)
+    run = Trainer(cfg)
+    try:
+        run.setup()
+        return run.train()
+    finally:
+        run.cleanup()
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.engine: Engine | None = None
+        self.started = time.perf_counter()
+
+    # -- setup ----------------------------------------------------------------------------------
+    def setup(self) -> None:
+        cfg = self.cfg
+        if not cfg.model:
+            raise ConfigError("no model given: pass --model NAME_OR_PATH (or --recipe NAME)")
+        self.resume_from = self._check_run_dir()
+        self.device = resolve_device(cfg)
+        quiet_logs(cfg.verbose)
+        self.dist: DistInfo = init_distributed(self.device)
+        if self.device == "cuda":
+            apply_gpu_cap(cfg)
+        # an 'auto' batch size is probed first, on its own model copy, before this run's weights load
+        self.micro_batch = self._resolve_batch_size()
+        self._setup_model()
+        self._setup_data()
+        self.accum = cfg.accumulation(self.micro_batch, self.dist.world_size)
+        self.total_steps = self._total_steps()
+        self._preflight()
+        self._setup_engine()
+        self._setup_run_dir()
+
+    def _check_run_dir(self) -> Path | None:
+        """Refuse to touch an existing run unless asked; find what to resume. Nothing is written yet."""
+        cfg = self.cfg
+        if cfg.out is None:
+            if cfg.resume:
+                raise RunDirError("--resume needs --out: the run directory to continue")
+            return None
+        out = Path(cfg.out)
+        if out.exists() and not out.is_dir():
+            raise RunDirError(f"--out {out} is a file: give a directory path")
+        if cfg.resume:
+            ckpt = checkpoint.latest(out)
+            if ckpt is None:
+                raise RunDirError(f"nothing to resume in {out}: no complete checkpoint (train with --save-every N "
+                                  "to write them), or drop --resume to start fresh")
+            saved_model = checkpoint.read_state(ckpt).get("model")
+            if saved_model not in (None, cfg.model):
+                raise RunDirError(f"{ckpt} is a checkpoint of model {saved_model!r}, not {cfg.model!r}: resume with "
+                                  f"--model {saved_model} or use another --out")
+            return ckpt
+        if out.exists() and any(out.iterdir()) and not cfg.overwrite:
+            raise RunDirError(f"--out {out} already holds a run: add --resume to continue it, --overwrite to "
+                              "replace it, or choose another directory")
+        return None
+
+    def _setup_model(self) -> None:
+        cfg = self.cfg
+        self.loaded: LoadedModel = load_model(cfg.model, from_scratch=cfg.from_scratch, seed=cfg.seed)
+        limit = _position_limit(self.loaded.config)
+        if self.loaded.task == CAUSAL and limit is not None and cfg.seq_len > limit:
+            raise ConfigError(f"--seq-len {cfg.seq_len} is beyond {cfg.model}'s {limit} positions: use --seq-len {limit} or less")
+        if cfg.activation_checkpointing:
+            enable_activation_checkpointing(self.loaded.model)
+
+    def _setup_data(self) -> None:
+        cfg, m = self.cfg, self.loaded
+        self.data: Dataset = load_dataset(cfg, m.task, m.tokenizer, m.config.vocab_size)
+        self.eval_data = load_dataset(cfg, m.task, m.tokenizer, m.config.vocab_size, split="eval")
+        self.pad_id = m.tokenizer.pad_token_id
+        if self.data.truncated:
+            self._say(f"{self.data.truncated} of {len(self.data)} examples were longer than the limits and were "
+                      f"truncated (raise --src-len/--tgt-len/--seq-len to keep them whole)")
+
+    def _resolve_batch_size(self) -> int:
+        if self.cfg.batch_size != "auto":
+            return int(self.cfg.batch_size)
+        from fitone.probe_run import batch_size_for_training
+
+        return batch_size_for_training(self.cfg, say=self._say)
+
+    def _total_steps(self) -> int:
+        if self.cfg.max_steps is not None:
+            return self.cfg.max_steps
+        per_epoch = steps_per_epoch(self.data, self.micro_batch, self.dist.world_size, self.accum)
+        return max(1, math.ceil(per_epoch * self.cfg.epochs))
+
+    def _preflight(self) -> None:
+        """Stop before the engine is built if host RAM cannot hold the offloaded optimizer states."""
+        try:
+            from fitone.plan import preflight
+        except ImportError:  # plan arrives in its own module; train works without it
+            return
+        preflight(self.cfg, micro_batch=self.micro_batch, world_size=self.dist.world_size)
+
+    def _setup_engine(self) -> None:
+        ds_config = build_ds_config(self.cfg, micro_batch=self.micro_batch, world_size=self.dist.world_size,
+                                    total_steps=self.total_steps, on_gpu=self.device == "cuda")
+        memory.reset_gpu_peak()
+        self.engine = Engine(self.loaded.model, ds_config)
+        self.state = {"step": 0, "epoch": 0, "batch": 0}
+        if self.resume_from is not None:
+            self.state = checkpoint.load(self.engine, self.resume_from)
+            self._say(f"resumed from {self.resume_from} (step {self.state['step']})")
+
+    def _setup_run_dir(self) -> None:
+        cfg = self.cfg
+        self.out = Path(cfg.out) if cfg.out else None
+        if self.out is None or not self.dist.is_main:
+            self.metrics = MetricsLog(None)
+            return
+        if cfg.overwrite and self.out.exists():
+            shutil.rmtree(self.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        checkpoint.remove_partial(self.out)
+        (self.out / "config.json").write_text(_json(cfg.to_dict()))
+        self.metrics = MetricsLog(self.out / "metrics.jsonl",
+                                  resume_step=self.state["step"] if self.resume_from else 0)
+
+    # -- the loop -------------------------------------------------------------------------------
+    def train(self) -> TrainResult:
+        cfg, engine = self.cfg, self.engine
+        assert engine is not None
+        samples_per_step = self.micro_batch * self.accum * self.dist.world_size
+        stream = batches(self.data, self.micro_batch, seed=cfg.seed, pad_id=self.pad_id, rank=self.dist.rank,
+                         world_size=self.dist.world_size, start_epoch=self.state["epoch"],
+                         start_batch=self.state["batch"])
+        bad = BadStepStreak(cfg.max_bad_steps)
+        host_watch = HostMemoryWatch(cfg.host_mem_warn, cfg.host_mem_stop)
+        losses, times = [], []
+        bar = self._progress_bar()
+        peak_rss = memory.host_rss_bytes()
+        engine.ds.train()
+        with StopRequest() as stop:
+            while self.state["step"] < self.total_steps:
+                t0 = time.perf_counter()
+                step_loss = 0.0
+                for _ in range(self.accum):  # one optimizer step = accum micro-batches
+                    epoch, b, batch = next(stream)
+                    loss = self._micro_step(batch, epoch, b)
+                    step_loss += loss / self.accum
+                if self.device == "cuda":
+                    torch.cuda.synchronize()  # time the GPU's work, not just its queueing
+                dt = time.perf_counter() - t0
+                self.state.update(step=self.state["step"] + 1, epoch=epoch, batch=b + 1)
+                losses.append(step_loss)
+                times.append(dt)
+                peak_rss = max(peak_rss, memory.host_rss_bytes())
+                record = self._log_step(step_loss, dt, samples_per_step, peak_rss, bar)
+                if bad.update(step_loss, engine.last_step_applied):
+                    self._abort_numerics(bad)
+                if stop.requested:
+                    self._abort(f"stopped by {stop.signal_name}")
+                used = host_watch.check()
+                if used is not None:
+                    self._abort(f"host RAM {used:.0%} used, past the {cfg.host_mem_stop:.0%} limit")
+                if cfg.save_every and self.state["step"] % cfg.save_every == 0:
+                    self._save()
+                del record
+        if bar is not None:
+            bar.close()
+        if cfg.save_every and self.out and not (self.state["step"] % cfg.save_every == 0):
+            self._save()  # the end is always resumable when checkpoints were asked for
+        final_dir = self._export()
+        quality = self._evaluate()
+        steady = times[1:] or times  # the first step includes lazy allocations and warm-up
+        return TrainResult(
+            steps=len(losses), losses=losses, step_times=times,
+            samples_per_s=samples_per_step / statistics.median(steady) if steady else None,
+            peak_gpu_bytes=memory.gpu_peak_bytes(), peak_host_rss_bytes=peak_rss,
+            init_s=engine.init_s, wall_s=time.perf_counter() - self.started, micro_batch=self.micro_batch,
+            grad_accum=self.accum, world_size=self.dist.world_size, precision=cfg.precision,
+            skipped_steps=bad.total_skipped, quality=quality, out_dir=str(self.out) if self.out else None,
+            final_dir=str(final_dir) if final_dir else None,
+            resumed_from=int(checkpoint.read_state(self.resume_from)["step"]) if self.resume_from else None,
+            truncated_examples=self.data.truncated,
+        )
+
+    def _micro_step(self, batch: dict[str, torch.Tensor], epoch: int, b: int) -> float:
+        """Forward, backward (ZeRO-2 moves gradients to the host as they are reduced), and the
+        optimizer step, which DeepSpeed applies only at the accumulation boundary."""
+        engine = self.engine
+        try:
+            loss = engine.forward(batch)
+            engine.backward(loss)
+            engine.step()
+        except Exception as exc:
+            if memory.is_oom_error(exc):
+                shape = "x".join(str(s) for s in batch["input_ids"].shape)
+                tgt = batch["labels"].shape[1]
+                raise MemoryBudgetError(
+                    f"GPU out of memory at step {self.state['step'] + 1} on a batch of {shape} tokens"
+                    f"{f' (targets {tgt})' if self.loaded.task == SEQ2SEQ else ''}: lower --batch-size, or run "
+                    f"`fitone probe-batch --data {self.cfg.data}` to find a size that fits the longest examples"
+                    f"{'; the last checkpoint is intact' if self.out and checkpoint.latest(self.out) else ''}"
+                ) from exc
+            raise
+        return float(loss.detach().float().item())
+
+    def _log_step(self, loss: float, dt: float, samples_per_step: int, peak_rss: int, bar) -> dict[str, Any]:
+        engine = self.engine
+        record = {
+            "step": self.state["step"], "loss": loss, "lr": engine.lr, "step_s": dt,
+            "samples_per_s": samples_per_step / dt, "gpu_peak_gib": gib(memory.gpu_peak_bytes()),
+            "host_rss_gib": gib(memory.host_rss_bytes()), "epoch": self.state["epoch"],
+            "skipped_steps": engine.skipped_steps,
+        }
+        if engine.loss_scale is not None:
+            record["loss_scale"] = engine.loss_scale
+        if self.state["step"] % self.cfg.log_every == 0 or self.state["step"] == self.total_steps:
+            self.metrics.write(record)
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.4f}", sps=f"{record['samples_per_s']:.1f}",
+                            gpu=f"{record['gpu_peak_gib']:.1f}G", host=f"{gib(peak_rss):.1f}G", refresh=False)
+        return record
+
+    def _progress_bar(self):
+        if not (self.cfg.progress and self.dist.is_main):
+            return None
+        from tqdm.auto import tqdm
+
+        return tqdm(total=self.total_steps, initial=self.state["step"], desc="train", unit="step", dynamic_ncols=True)
+
+    # -- stopping early -------------------------------------------------------------------------
+    def _abort(self, why: str) -> None:
+        """Checkpoint (when there is a run dir) and stop with the way to resume."""
+        if self.out is not None:
+            path = self._save()
+            raise TrainingAborted(f"{why} at step {self.state['step']}; checkpoint saved to {path}; continue "
+                                  f"with the same command plus --resume")
+        raise TrainingAborted(f"{why} at step {self.state['step']}; nothing saved (no --out given)")
+
+    def _abort_numerics(self, bad: BadStepStreak) -> None:
+        """NaN/overflow streak: keep the last good checkpoint (do not save the bad state)."""
+        hint = "lower --lr, or use --precision bf16 or fp32"
+        if self.cfg.precision == "fp16" and self.loaded.config.model_type in ("t5", "mt5", "umt5"):
+            hint = "T5 was pre-trained in bf16 and overflows in fp16: use --precision bf16 or fp32"
+        last = checkpoint.latest(self.out) if self.out else None
+        kept = f"; the last good checkpoint is {last}" if last else ""
+        raise TrainingAborted(f"{bad.streak} steps in a row had a NaN/inf loss or skipped their update "
+                              f"(step {self.state['step']}): {hint}{kept}")
+
+    def _save(self) -> Path | None:
+        if self.out is None:
+            return None
+        import torch.distributed as dist
+
+        state = {**self.state, "model": self.cfg.model, "precision": self.cfg.precision,
+                 "micro_batch": self.micro_batch, "world_size": self.dist.world_size}
+        return checkpoint.save(self.engine, self.out, self.state["step"], state, keep=self.cfg.keep_checkpoints,
+                               is_main=self.dist.is_main, barrier=dist.barrier)
+
+    # -- the end --------------------------------------------------------------------------------
+    def _export(self) -> Path | None:
+        """DIR/final/: a plain Hugging Face model dir (weights + tokenizer), loadable without DeepSpeed.
+
+        ZeRO-2 keeps full 16-bit weights on every rank, so rank 0 saves them as they are (as HF Trainer
+        does with ZeRO-2); written to a temporary dir first, then renamed.
+        """
+        if self.out is None or not self.dist.is_main:
+            return None
+        final, tmp = self.out / "final", self.out / ".tmp-final"
+        shutil.rmtree(tmp, ignore_errors=True)
+        model = self.engine.module
+        model.config.use_cache = True
+        model.save_pretrained(tmp, safe_serialization=True)
+        self.loaded.tokenizer.save_pretrained(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        return final
+
+    @torch.no_grad()
+    def _evaluate(self) -> dict[str, float]:
+        """The quality number: exact match of greedy generations (seq2seq) or eval loss (causal)."""
+        if self.eval_data is None or self.cfg.eval_examples == 0 or not self.dist.is_main:
+            return {}
+        from fitone.data import collate
+
+        model = self.engine.module
+        model.eval()
+        n = min(self.cfg.eval_examples, len(self.eval_data))
+        examples = self.eval_data.examples[:n]
+        tok = self.loaded.tokenizer
+        hits, losses = 0, []
+        for i in range(0, n, 16):
+            chunk = examples[i:i + 16]
+            batch = {k: v.to(self.engine.device) for k, v in collate(chunk, self.eval_data.task, self.pad_id).items()}
+            losses.append(float(model(**batch).loss.float()))
+            if self.eval_data.task == SEQ2SEQ:
+                out = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                     max_new_tokens=self.cfg.tgt_len, do_sample=False, num_beams=1)
+                texts = tok.batch_decode(out, skip_special_tokens=True)
+                hits += sum(t.strip() == r[self.eval_data_fields[1]].strip()
+                            for t, r in zip(texts, self.eval_data.raw[i:i + 16]))
+        model.train()
+        result = {"eval_loss": sum(losses) / len(losses)}
+        if self.eval_data.task == SEQ2SEQ:
+            result["exact_match"] = hits / n
+        self._say("quality on " + f"{n} held-out examples: " + ", ".join(f"{k} {v:.3f}" for k, v in result.items()))
+        return result
+
+    @property
+    def eval_data_fields(self) -> tuple[str, str]:
+        return ("source", "target") if self.cfg.data == "sample" else (self.cfg.source_field, self.cfg.target_field)
+
+    def cleanup(self) -> None:
+        """Tear the engine down (also after an error) so the process can train again."""
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        memory.free_memory()
+
+    def _say(self, text: str) -> None:
+        if getattr(self, "dist", None) is None or self.dist.is_main:
+            from tqdm.auto import tqdm
+
+            tqdm.write(f"fitone: {text}")
+
+
+def _position_limit(config) -> int | None:
+    for name in ("n_positions", "max_position_embeddings"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and getattr(config, "model_type", "") not in ("t5", "mt5", "umt5"):
+            return value
+    return None
+
+
+def _json(values: dict[str, Any]) -> str:
+    import json
+
+    return json.dumps(values, indent=2, default=str)

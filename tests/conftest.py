@@ -1,0 +1,64 @@
+"""Shared fixtures: tiny models saved with save_pretrained (no hub), small data files, CPU settings.
+
+Everything here runs real DeepSpeed ZeRO-2 engines with DeepSpeedCPUAdam on the CPU; fp16 is proven
+on the GPU instead (DeepSpeed's CPU accelerator refuses it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "fitone" / "torch_extensions"))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from fitone.config import TrainConfig  # noqa: E402
+
+
+def cpu_config(**overrides) -> TrainConfig:
+    """A fast CPU run of the tiny T5 on the sample task."""
+    values = dict(model="t5-tiny", from_scratch=True, data="sample", src_len=8, tgt_len=48, batch_size=16,
+                  lr=3e-3, max_steps=30, precision="fp32", device="cpu", eval_examples=0, progress=False,
+                  seed=0)
+    values.update(overrides)
+    return TrainConfig(**values)
+
+
+@pytest.fixture(scope="session")
+def tiny_t5_dir(tmp_path_factory) -> Path:
+    """A tiny T5 saved like a downloaded model: config, weights and tokenizer files."""
+    from fitone.models import build_model, load_config
+    from transformers import ByT5Tokenizer
+
+    path = tmp_path_factory.mktemp("models") / "tiny-t5"
+    model = build_model(load_config("t5-tiny", from_scratch=True))
+    model.save_pretrained(path)
+    ByT5Tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt_dir(tmp_path_factory) -> Path:
+    from fitone.models import build_model, load_config
+    from transformers import ByT5Tokenizer
+
+    path = tmp_path_factory.mktemp("models") / "tiny-gpt"
+    model = build_model(load_config("gpt2-tiny", from_scratch=True))
+    model.save_pretrained(path)
+    ByT5Tokenizer().save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def text_jsonl(tmp_path_factory) -> Path:
+    """A small causal-LM corpus with a learnable pattern."""
+    path = tmp_path_factory.mktemp("data") / "text.jsonl"
+    words = ["alpha", "beta", "gamma", "delta"]
+    with open(path, "w") as f:
+        for i in range(400):
+            f.write(json.dumps({"text": " ".join(words[(i + k) % 4] for k in range(6))}) + "\n")
+    return path

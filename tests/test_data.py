@@ -1,0 +1,99 @@
+"""Reading, tokenising and batching data; every malformed input names the file and line."""
+
+import json
+
+import pytest
+from transformers import ByT5Tokenizer
+
+from fitone.config import TrainConfig
+from fitone.data import IGNORE_INDEX, batches, collate, load_dataset, read_jsonl, worst_case_batch
+from fitone.errors import ConfigError, DataError
+from fitone.models import CAUSAL, SEQ2SEQ
+
+TOK = ByT5Tokenizer()
+
+
+def _cfg(**kw):
+    return TrainConfig(model="t5-tiny", **kw)
+
+
+@pytest.mark.parametrize("lines,fragment", [
+    (['{"source": "a", "target": "b"}', "{oops"], ":2: not valid JSON"),
+    (['{"source": "a"}'], ":1: missing field 'target'.*--target-field"),
+    (['{"source": "a", "target": 3}'], ":1: field 'target' must be text"),
+    (['[1, 2]'], ":1: expected a JSON object"),
+    (["", "  "], "holds no examples"),
+])
+def test_malformed_jsonl_names_file_and_line(tmp_path, lines, fragment):
+    f = tmp_path / "d.jsonl"
+    f.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError, match=fragment):
+        read_jsonl(f, ("source", "target"))
+
+
+def test_missing_and_directory_and_binary(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        read_jsonl(tmp_path / "nope.jsonl", ("text",))
+    with pytest.raises(DataError, match="is a directory"):
+        read_jsonl(tmp_path, ("text",))
+    bad = tmp_path / "bin.jsonl"
+    bad.write_bytes(b"\xff\xfe\x00")
+    with pytest.raises(DataError, match="UTF-8"):
+        read_jsonl(bad, ("text",))
+
+
+def test_custom_field_names_and_truncation_count(tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_text("\n".join(json.dumps({"q": "x" * n, "a": "y"}) for n in (3, 10, 30)) + "\n")
+    data = load_dataset(_cfg(data=str(f), source_field="q", target_field="a", src_len=12), SEQ2SEQ, TOK, 384)
+    assert len(data) == 3 and data.truncated == 1
+    assert all(len(e.input_ids) <= 12 for e in data.examples)
+    assert data.examples[2].input_ids[-1] == TOK.eos_token_id  # truncation keeps the end token
+
+
+def test_sample_task_has_train_and_held_out_splits():
+    train = load_dataset(_cfg(), SEQ2SEQ, TOK, 384)
+    held = load_dataset(_cfg(), SEQ2SEQ, TOK, 384, split="eval")
+    assert len(train) == 9500 and len(held) == 500
+    assert not {r["source"] for r in train.raw} & {r["source"] for r in held.raw}
+    with pytest.raises(ConfigError, match="seq2seq"):
+        load_dataset(_cfg(), CAUSAL, TOK, 384)
+
+
+def test_collate_pads_dynamically_and_masks_labels():
+    from fitone.data import Example
+
+    batch = collate([Example([5, 6, 1], [7, 1]), Example([5, 1], [7, 8, 9, 1])], SEQ2SEQ, pad_id=0)
+    assert batch["input_ids"].tolist() == [[5, 6, 1], [5, 1, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
+    assert batch["labels"].tolist() == [[7, 1, IGNORE_INDEX, IGNORE_INDEX], [7, 8, 9, 1]]
+
+
+def test_batches_resume_where_they_left_off_and_ranks_split():
+    data = load_dataset(_cfg(), SEQ2SEQ, TOK, 384)
+    straight = batches(data, 4, seed=1, pad_id=0)
+    seen = [next(straight) for _ in range(2380)]  # past the end of epoch 0 (2375 batches)
+    assert seen[2375][0] == 1 and seen[2375][1] == 0
+    resumed = batches(data, 4, seed=1, pad_id=0, start_epoch=1, start_batch=3)
+    e, b, batch = next(resumed)
+    assert (e, b) == (1, 3) and batch["input_ids"].equal(seen[2378][2]["input_ids"])
+    r0 = next(batches(data, 2, seed=1, pad_id=0, rank=0, world_size=2))[2]["input_ids"]
+    r1 = next(batches(data, 2, seed=1, pad_id=0, rank=1, world_size=2))[2]["input_ids"]
+    assert not r0.equal(r1)
+
+
+def test_worst_case_batch_uses_full_lengths_or_longest_examples(tmp_path):
+    synth = worst_case_batch(SEQ2SEQ, 3, _cfg(src_len=20, tgt_len=7), 384, 0)
+    assert synth["input_ids"].shape == (3, 20) and synth["labels"].shape == (3, 7)
+    causal = worst_case_batch(CAUSAL, 2, _cfg(seq_len=33), 384, 0)
+    assert causal["input_ids"].shape == (2, 33)
+    data = load_dataset(_cfg(), SEQ2SEQ, TOK, 384)
+    longest = max(len(e.input_ids) + len(e.labels) for e in data.examples)
+    batch = worst_case_batch(SEQ2SEQ, 4, _cfg(), 384, 0, data)
+    assert batch["input_ids"].shape[1] + batch["labels"].shape[1] == longest
+
+
+def test_synthetic_is_deterministic_and_full_length():
+    data = load_dataset(_cfg(data="synthetic", src_len=16, tgt_len=5), SEQ2SEQ, TOK, 384)
+    assert data.examples[3].input_ids == data.examples[3].input_ids and len(data.examples[3].labels) == 5
+    assert load_dataset(_cfg(data="synthetic"), SEQ2SEQ, TOK, 384, split="eval") is None

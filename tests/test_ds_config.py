@@ -1,0 +1,75 @@
+"""The generated DeepSpeed config, by value, for each option."""
+
+import json
+
+import pytest
+
+from fitone.config import TrainConfig
+from fitone.ds_config import BUCKET_SIZE, build_ds_config
+from fitone.errors import ConfigError
+
+
+def test_default_is_the_blogs_zero2_offload_fp16_recipe():
+    ds = build_ds_config(TrainConfig(lr=3e-5), micro_batch=20)
+    assert ds["train_micro_batch_size_per_gpu"] == 20
+    assert ds["gradient_accumulation_steps"] == 1 and ds["train_batch_size"] == 20
+    zero = ds["zero_optimization"]
+    assert zero["stage"] == 2
+    assert zero["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert zero["reduce_bucket_size"] == zero["allgather_bucket_size"] == BUCKET_SIZE == 2e8
+    assert zero["overlap_comm"] is True and zero["contiguous_gradients"] is True
+    assert ds["fp16"] == {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+                          "hysteresis": 2, "min_loss_scale": 1}
+    assert "bf16" not in ds
+    assert ds["optimizer"] == {"type": "AdamW", "params": {"lr": 3e-5, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                           "weight_decay": 0.0}}
+    assert "scheduler" not in ds
+    assert ds["gradient_clipping"] == 1.0
+
+
+def test_precisions():
+    assert build_ds_config(TrainConfig(precision="bf16"), micro_batch=1)["bf16"] == {"enabled": True}
+    fp32 = build_ds_config(TrainConfig(precision="fp32"), micro_batch=1)
+    assert "fp16" not in fp32 and "bf16" not in fp32
+
+
+def test_offload_none_and_cpu_machine():
+    assert "offload_optimizer" not in build_ds_config(TrainConfig(offload="none"), micro_batch=1)["zero_optimization"]
+    cpu = build_ds_config(TrainConfig(precision="fp32"), micro_batch=1, on_gpu=False)["zero_optimization"]
+    assert cpu["offload_optimizer"]["pin_memory"] is False and cpu["overlap_comm"] is False
+
+
+def test_accumulation_and_world_size():
+    ds = build_ds_config(TrainConfig(global_batch=128), micro_batch=16, world_size=2)
+    assert ds["gradient_accumulation_steps"] == 4 and ds["train_batch_size"] == 128
+    ds = build_ds_config(TrainConfig(grad_accum=3), micro_batch=5)
+    assert ds["gradient_accumulation_steps"] == 3 and ds["train_batch_size"] == 15
+
+
+def test_schedules():
+    warm = build_ds_config(TrainConfig(warmup_steps=10, lr=1e-3), micro_batch=1)["scheduler"]
+    assert warm == {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3,
+                                                  "warmup_num_steps": 10, "warmup_type": "linear"}}
+    lin = build_ds_config(TrainConfig(lr_schedule="linear", warmup_steps=10), micro_batch=1, total_steps=500)
+    assert lin["scheduler"]["type"] == "WarmupDecayLR" and lin["scheduler"]["params"]["total_num_steps"] == 500
+
+
+def test_user_file_merges_deeply(tmp_path):
+    f = tmp_path / "ds.json"
+    f.write_text(json.dumps({"zero_optimization": {"reduce_bucket_size": 5e7}, "gradient_clipping": 0.5}))
+    ds = build_ds_config(TrainConfig(ds_config=str(f)), micro_batch=2)
+    assert ds["zero_optimization"]["reduce_bucket_size"] == 5e7
+    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"  # untouched keys stay
+    assert ds["gradient_clipping"] == 0.5
+
+
+@pytest.mark.parametrize("content,fragment", [
+    ("{not json", "not valid JSON"), ("[1, 2]", "JSON object"), ('{"gradient_cliping": 1}', "gradient_clipping"),
+    ('{"zero_optimization": {"overlap_comn": true}}', "overlap_comm"),
+    ('{"zero_optimization": {"stage": 3}}', "stage 2"),
+])
+def test_user_file_errors(tmp_path, content, fragment):
+    f = tmp_path / "ds.json"
+    f.write_text(content)
+    with pytest.raises(ConfigError, match=fragment):
+        build_ds_config(TrainConfig(ds_config=str(f)), micro_batch=2)
