@@ -1,0 +1,410 @@
+"""The search behind `fitone probe-batch`: the largest micro-batch that fits, then a margin, then a check.
+
+The search is given `try_size(size, steps)`, which runs `steps` full training steps at `size` and reports
+an out-of-memory as `TrialResult(fits=False)`; it knows nothing of training. Any other exception from
+`try_size` propagates unchanged.
+
+1. Grow: try `start`, then double until a size runs out of memory or `max_batch` is reached (the last
+   probe is clamped to `max_batch`). With `cap_bytes` known, a line through the two largest fitting
+   sizes (peak = fixed + per_sample x size, as YOLOv5's autobatch) predicts the limit; when it says the
+   next doubling would not fit, the predicted size is tried instead, then one granularity step above it
+   to confirm. The line is used once, so a wrong prediction costs at most two trials.
+2. Bisect between the largest size that fitted (lo) and the smallest that did not (hi) until
+   hi - lo <= granularity = max(1, lo // 16): the limit is then known to ~6%, finer than the margin.
+   If `start` itself fails, the same bisection from 0 halves down to a size that fits.
+   `max_trials` bounds steps 1-2.
+3. Margin and verification: chosen = max(1, floor(largest_fit x (1 - margin))), run for `verify_steps`
+   steps; if that runs out of memory, step down by max(granularity, margin x size) and verify again (at
+   most MAX_VERIFY_TRIES sizes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from fitone.config import gib
+from fitone.errors import ConfigError, MemoryBudgetError
+
+GRANULARITY_DIVISOR = 16  # bisect until hi - lo <= max(1, lo // 16)
+MAX_VERIFY_TRIES = 3  # sizes verified before giving up: more means memory varies far beyond the margin
+_EPS = 1e-9  # keeps floor(100 * 0.95) at 95 despite binary fractions
+
+FIX_SMALLER_FOOTPRINT = (
+    "use shorter --src-len/--tgt-len (or --seq-len), a larger --max-gpu-memory, --precision bf16 or fp16, "
+    "--activation-checkpointing, and run `fitone plan` to see where the memory goes"
+)
+
+
+def granularity_at(size: int) -> int:
+    """How close the bisection brings the largest fit and the smallest OOM, at this size."""
+    return max(1, size // GRANULARITY_DIVISOR)
+
+
+@dataclass
+class TrialResult:
+    """One try at a micro-batch size: `steps` full training steps, or the phase where memory ran out."""
+
+    batch_size: int
+    fits: bool
+    peak_gpu_bytes: int | None = None
+    step_s: float | None = None
+    samples_per_s: float | None = None
+    oom_phase: str | None = None  # "forward", "backward" or "step"
+    steps: int = 0
+    purpose: str = "search"  # "search" or "verify"; set by search_batch_size
+
+    def __post_init__(self) -> None:
+        if self.fits and self.samples_per_s is None and self.step_s:
+            self.samples_per_s = self.batch_size / self.step_s
+
+    def outcome(self) -> str:
+        """'64 fits: 9.3 GiB peak, 29.8 samples/s' or '256 out of memory in backward'."""
+        if not self.fits:
+            return f"{self.batch_size} out of memory" + (f" in {self.oom_phase}" if self.oom_phase else "")
+        peak = f"{gib(self.peak_gpu_bytes):.1f} GiB peak" if self.peak_gpu_bytes is not None else "peak not measured"
+        speed = f", {self.samples_per_s:.1f} samples/s" if self.samples_per_s is not None else ""
+        return f"{self.batch_size} fits: {peak}{speed}"
+
+
+@dataclass(repr=False)
+class ProbeResult:
+    """What `probe-batch` found. `chosen` is the size to train with; `meta` is filled by the caller."""
+
+    trials: list[TrialResult]
+    largest_fit: int
+    chosen: int
+    margin: float
+    granularity: int
+    verified: bool
+    best_throughput: int | None  # the fitting size <= chosen with the best samples/s
+    cap_bytes: int | None
+    wall_s: float
+    smallest_oom: int | None = None  # the smallest size above largest_fit that ran out of memory
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    # -- reading the result -------------------------------------------------------------------
+    def __repr__(self) -> str:
+        oom = f", smallest_oom={self.smallest_oom}" if self.smallest_oom is not None else ""
+        model = f"{self.meta['model']}: " if self.meta.get("model") else ""
+        return (
+            f"ProbeResult({model}chosen={self.chosen}, largest_fit={self.largest_fit}{oom}, "
+            f"best_throughput={self.best_throughput}, verified={self.verified}, "
+            f"{len(self.trials)} trials in {self.wall_s:.1f} s)"
+        )
+
+    def memory_line(self) -> tuple[float, float] | None:
+        """(fixed bytes, bytes per sample) through the two largest fitting sizes with a measured peak."""
+        return _memory_line(self.trials)
+
+    def table(self) -> str:
+        """Fixed-width table of the trials in the order tried, then the answer."""
+        rows = [f"{'batch':>7}  {'result':<16} {'peak GPU GiB':>12} {'step s':>8} {'samples/s':>10}"]
+        for t in self.trials:
+            result = "fits" if t.fits else "OOM" + (f" ({t.oom_phase})" if t.oom_phase else "")
+            if t.purpose == "verify":
+                result += " verify"
+            peak = gib(t.peak_gpu_bytes) if t.peak_gpu_bytes is not None else None
+            rows.append(f"{t.batch_size:>7}  {result:<16} {_num(peak, 2):>12} {_num(t.step_s, 2):>8} "
+                        f"{_num(t.samples_per_s, 1):>10}")
+        oom = f" ({self.smallest_oom} ran out of memory)" if self.smallest_oom is not None else ""
+        rows.append(f"largest fit: {self.largest_fit}{oom}, granularity {self.granularity}")
+        check = "verified" if self.verified else "NOT verified"
+        cap = f", cap {gib(self.cap_bytes):.1f} GiB" if self.cap_bytes is not None else ""
+        rows.append(f"chosen: {self.chosen} ({_pct(self.margin)} margin, {check}{cap})")
+        best = self._best_trial()
+        if best is not None:
+            rows.append(f"best throughput: {best.batch_size} ({best.samples_per_s:.1f} samples/s)")
+        return "\n".join(rows)
+
+    def for_global_batch(self, global_batch: int, world_size: int = 1) -> tuple[int, int]:
+        """(micro-batch, accumulation steps) for `global_batch` samples per optimizer step.
+
+        The micro-batch is the largest size <= chosen that divides global_batch / world_size exactly,
+        so every optimizer step sees exactly `global_batch` samples.
+        """
+        if global_batch < 1 or world_size < 1:
+            raise ConfigError(f"--global-batch ({global_batch}) and the GPU count ({world_size}) must be 1 or more")
+        if global_batch % world_size:
+            nearest = max(world_size, round(global_batch / world_size) * world_size)
+            raise ConfigError(
+                f"--global-batch {global_batch} does not split over {world_size} GPUs: use --global-batch {nearest}"
+            )
+        per_gpu = global_batch // world_size
+        micro = next(d for d in range(min(self.chosen, per_gpu), 0, -1) if per_gpu % d == 0)
+        return micro, per_gpu // micro
+
+    # -- saving ---------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ProbeResult":
+        values = dict(data)
+        values["trials"] = [TrialResult(**t) for t in values["trials"]]
+        return cls(**values)
+
+    def save_json(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        return path
+
+    @classmethod
+    def load_json(cls, path: str | Path) -> "ProbeResult":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    # -- plotting -------------------------------------------------------------------------------
+    def plot(self, path: str | Path) -> Path:
+        """PNG of peak GPU memory and samples/s against batch size, with OOMs, the cap and the choice."""
+        # Figure + the Agg canvas directly: no pyplot, so a notebook's own backend is left alone.
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import FuncFormatter
+
+        latest = {t.batch_size: t for t in self.trials if t.fits}  # a verified size: its longer run wins
+        fits = [latest[s] for s in sorted(latest)]
+        ooms = sorted((t for t in self.trials if not t.fits), key=lambda t: t.batch_size)
+        measured = [t for t in fits if t.peak_gpu_bytes is not None]
+        peaks = [gib(t.peak_gpu_bytes) for t in measured]
+        top = max(peaks + ([gib(self.cap_bytes)] if self.cap_bytes else []) + [1.0])
+
+        fig = Figure(figsize=(9, 5.5), dpi=110)
+        FigureCanvasAgg(fig)
+        ax = fig.add_subplot()
+        speed_ax = ax.twinx()
+        handles = []
+        if measured:
+            handles += ax.plot([t.batch_size for t in measured], peaks, "o-", color="tab:blue",
+                               label="peak GPU memory (GiB)")
+        line = self.memory_line()
+        if line is not None and fits:
+            # many points: a straight line in memory vs size is a curve on the log2 axis
+            low, high = min(t.batch_size for t in self.trials), max(t.batch_size for t in self.trials)
+            xs = [low * (high / low) ** (i / 63) for i in range(64)]
+            handles += ax.plot(xs, [gib(line[0] + line[1] * x) for x in xs], ":", color="tab:blue", alpha=0.6,
+                               label=f"line fit: {gib(line[0]):.2f} GiB + {line[1] / 2**20:.1f} MiB/sample")
+        timed = [t for t in fits if t.samples_per_s is not None]
+        if timed:
+            handles += speed_ax.plot([t.batch_size for t in timed], [t.samples_per_s for t in timed], "s--",
+                                     color="tab:green", label="throughput (samples/s)")
+        if ooms:
+            oom_y = gib(self.cap_bytes) if self.cap_bytes else top
+            phases = sorted({t.oom_phase for t in ooms if t.oom_phase})
+            handles.append(ax.scatter([t.batch_size for t in ooms], [oom_y] * len(ooms), marker="X", s=90,
+                                      color="tab:red", zorder=5,
+                                      label="out of memory" + (f" (in {', '.join(phases)})" if phases else "")))
+            for t in ooms:
+                ax.annotate(str(t.batch_size), (t.batch_size, oom_y), textcoords="offset points", xytext=(0, 8),
+                            ha="center", va="bottom", rotation=90, fontsize=8, color="tab:red")
+        if self.cap_bytes:
+            cap_gib = gib(self.cap_bytes)
+            handles.append(ax.axhline(cap_gib, color="tab:red", linestyle="--", linewidth=1,
+                                      label=f"GPU memory cap {cap_gib:.1f} GiB"))
+            ax.annotate(f"cap {cap_gib:.1f} GiB", (0.5, cap_gib), xycoords=("axes fraction", "data"),
+                        textcoords="offset points", xytext=(0, 4), ha="center", fontsize=9, color="tab:red")
+        handles.append(ax.axvline(self.chosen, color="gray", linestyle="-.", linewidth=1,
+                                  label=f"chosen {self.chosen} ({_pct(self.margin)} margin)"))
+
+        ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+        ax.set_xlabel("micro-batch size (samples, log2 scale)")
+        ax.set_ylabel("peak GPU memory (GiB)", color="tab:blue")
+        speed_ax.set_ylabel("throughput (samples/s)", color="tab:green")
+        ax.set_ylim(0, top * 1.2)  # room above the cap for the OOM labels
+        speed_ax.set_ylim(bottom=0)
+        what = " ".join(str(self.meta[k]) for k in ("model", "precision") if self.meta.get(k))
+        ax.set_title(f"fitone probe-batch{': ' + what if what else ''} - largest fit {self.largest_fit}, "
+                     f"chosen {self.chosen}")
+        ax.grid(True, which="major", alpha=0.3)
+        ax.legend(handles=handles, loc="upper left", fontsize=8)
+        fig.tight_layout()
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, format="png")
+        return path
+
+    def _best_trial(self) -> TrialResult | None:
+        # Sizes above `chosen` are inside the safety margin, so they are not offered; ties go to the smaller.
+        timed = [t for t in self.trials if t.fits and t.samples_per_s is not None and t.batch_size <= self.chosen]
+        return max(timed, key=lambda t: (t.samples_per_s, -t.batch_size), default=None)
+
+
+def search_batch_size(
+    try_size: Callable[[int, int], TrialResult],
+    *,
+    max_batch: int = 4096,
+    max_trials: int = 16,
+    margin: float = 0.05,
+    start: int = 1,
+    verify_steps: int = 3,
+    trial_steps: int = 1,
+    cap_bytes: int | None = None,
+    log: Callable[[str], None] = print,
+) -> ProbeResult:
+    """Find the largest micro-batch that fits, back off by `margin`, and verify it (see the module doc).
+
+    `try_size(size, steps)` runs `steps` full training steps; search trials run `trial_steps`, the
+    verification `verify_steps` (0 skips it: `verified` is then False). `max_trials` bounds the search
+    trials; verification adds at most MAX_VERIFY_TRIES. Raises MemoryBudgetError when no size fits.
+    """
+    _check_arguments(max_batch=max_batch, max_trials=max_trials, margin=margin, start=start,
+                     verify_steps=verify_steps, trial_steps=trial_steps)
+    began = time.perf_counter()
+    trials: list[TrialResult] = []
+
+    def run(size: int, steps: int, purpose: str) -> TrialResult:
+        trial = dataclasses.replace(try_size(size, steps), purpose=purpose)
+        trials.append(trial)
+        return trial
+
+    # -- grow, then bisect ---------------------------------------------------------------------
+    lo, hi = 0, None  # the largest size that fitted, the smallest that did not
+    jump = "unused"  # the memory-line jump: "unused" -> "confirm" (it fitted; try one step above) -> "used"
+    size = start
+    while True:
+        trial = run(size, trial_steps, "search")
+        if trial.fits:
+            lo = max(lo, size)
+        else:
+            hi = size if hi is None else min(hi, size)
+        g = granularity_at(lo)
+        if hi is not None and hi - lo <= g:
+            if lo == 0:  # hi == 1: even one sample is too much
+                log(trial.outcome())
+                raise _too_big(trial, cap_bytes)
+            log(f"{trial.outcome()}; {lo} fits and {hi} does not (granularity {g}): stopping")
+            break
+        if len(trials) >= max_trials:
+            log(f"{trial.outcome()}; stopping after max_trials={max_trials} trials")
+            if lo == 0:
+                raise MemoryBudgetError(
+                    f"no batch size fitted in {max_trials} trials (smallest tried: {hi}): "
+                    f"raise --max-trials or start lower"
+                )
+            break
+        if hi is not None:
+            size = (lo + hi) // 2
+            where = f"bisecting {lo}..{hi}" if lo else "nothing fitted yet, halving"
+            log(f"{trial.outcome()}; {where}: trying {size}")
+            continue
+        if lo >= max_batch:
+            log(f"{trial.outcome()}; reached max_batch={max_batch} without running out of memory: stopping")
+            break
+        size = min(2 * lo, max_batch)
+        why = ""
+        if jump == "confirm":
+            jump = "used"
+            size = min(lo + g, max_batch)
+            why = " (one granularity step above, to confirm the memory line)"
+        elif jump == "unused" and cap_bytes is not None:
+            predicted = _predict_limit(trials, cap_bytes)
+            if predicted is not None and max(predicted, lo + g) < size:
+                jump = "confirm"
+                size = max(predicted, lo + g)
+                why = f" (the memory line predicts {predicted} under the {gib(cap_bytes):.1f} GiB cap)"
+        log(f"{trial.outcome()}; trying {size}{why}")
+
+    # -- margin and verification ----------------------------------------------------------------
+    g = granularity_at(lo)
+    chosen = max(1, math.floor(lo * (1 - margin) + _EPS))
+    verified = False
+    if verify_steps == 0:
+        log(f"largest fit {lo}; with a {_pct(margin)} margin choosing {chosen} (not verified: verify_steps=0)")
+    else:
+        log(f"largest fit {lo}; with a {_pct(margin)} margin choosing {chosen}; verifying over {verify_steps} steps")
+        failed: list[int] = []
+        while True:
+            trial = run(chosen, verify_steps, "verify")
+            if trial.fits:
+                verified = True
+                log(f"{trial.outcome()} over {verify_steps} steps: verified")
+                break
+            failed.append(chosen)
+            if chosen == 1:
+                log(f"{trial.outcome()} during verification")
+                raise _too_big(trial, cap_bytes)
+            if len(failed) >= MAX_VERIFY_TRIES:
+                log(f"{trial.outcome()} during verification")
+                raise MemoryBudgetError(
+                    f"sizes {', '.join(map(str, failed))} ran out of memory over {verify_steps} steps although "
+                    f"{lo} fitted in the search: memory varies between steps; use a larger --margin (e.g. 0.2)"
+                )
+            smaller = max(1, chosen - max(g, math.ceil(chosen * margin)))
+            log(f"{trial.outcome()} during verification; stepping down to {smaller}")
+            chosen = smaller
+
+    result = ProbeResult(
+        trials=trials,
+        largest_fit=lo,
+        chosen=chosen,
+        margin=margin,
+        granularity=g,
+        verified=verified,
+        best_throughput=None,
+        cap_bytes=cap_bytes,
+        wall_s=time.perf_counter() - began,
+        smallest_oom=min((t.batch_size for t in trials if not t.fits and t.batch_size > lo), default=None),
+    )
+    best = result._best_trial()
+    result.best_throughput = best.batch_size if best is not None else None
+    if best is not None and best.batch_size != chosen:
+        log(f"best throughput at {best.batch_size}: {best.samples_per_s:.1f} samples/s")
+    return result
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def _check_arguments(**values: Any) -> None:
+    """ConfigError naming the fix for each argument that cannot work."""
+    wholes = {"max_batch": 1, "max_trials": 1, "start": 1, "verify_steps": 0, "trial_steps": 1}
+    for name, least in wholes.items():
+        value = values[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ConfigError(f"--{name.replace('_', '-')} must be a whole number >= {least}, got {value!r}")
+    if values["start"] > values["max_batch"]:
+        raise ConfigError(f"the start size {values['start']} is above --max-batch {values['max_batch']}: "
+                          f"raise --max-batch or start lower")
+    margin = values["margin"]
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 0.5:
+        raise ConfigError(f"--margin must be a fraction in [0, 0.5), got {margin!r}: e.g. 0.05 backs off 5%")
+
+
+def _memory_line(trials: list[TrialResult]) -> tuple[float, float] | None:
+    """(fixed, per_sample) bytes through the two largest fitting sizes with a measured peak."""
+    peaks = {t.batch_size: t.peak_gpu_bytes for t in trials if t.fits and t.peak_gpu_bytes is not None}
+    if len(peaks) < 2:
+        return None
+    (b1, p1), (b2, p2) = sorted(peaks.items())[-2:]
+    per_sample = (p2 - p1) / (b2 - b1)
+    if per_sample <= 0:  # noise at tiny sizes: no usable slope
+        return None
+    return p2 - per_sample * b2, per_sample
+
+
+def _predict_limit(trials: list[TrialResult], cap_bytes: int) -> int | None:
+    line = _memory_line(trials)
+    if line is None:
+        return None
+    fixed, per_sample = line
+    return max(1, math.floor((cap_bytes - fixed) / per_sample + _EPS))
+
+
+def _too_big(trial: TrialResult, cap_bytes: int | None) -> MemoryBudgetError:
+    where = f" in {trial.oom_phase}" if trial.oom_phase else ""
+    cap = f" under the {gib(cap_bytes):.1f} GiB cap" if cap_bytes is not None else ""
+    return MemoryBudgetError(
+        f"batch size {trial.batch_size} runs out of GPU memory{where}{cap}: {FIX_SMALLER_FOOTPRINT}"
+    )
+
+
+def _num(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _pct(fraction: float) -> str:
+    return f"{fraction * 100:g}%"
