@@ -7,6 +7,7 @@ hub id or a local directory. The task (seq2seq or causal LM) follows from the mo
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from contextlib import nullcontext
@@ -136,8 +137,9 @@ def load_tokenizer(name: str, config: PretrainedConfig):
 def enable_activation_checkpointing(model: PreTrainedModel) -> None:
     """Recompute activations in backward. HF models ignore DeepSpeed's own setting, so set it here."""
     kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    new_api = getattr(model, "activation_checkpointing_enable", None)  # renamed in transformers 5.2x
+    if new_api is not None and "activation_checkpointing_kwargs" in inspect.signature(new_api).parameters:
+        new_api(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.config.use_cache = False
