@@ -156,26 +156,50 @@ class Engine:
         return float(self.ds.get_lr()[0])
 
     def reset_after_oom(self) -> None:
-        """Make the engine usable after an OOM in backward.
+        """Make the engine usable after an out-of-memory error in backward or in the optimizer step.
 
-        ZeRO-2 marks each gradient partition as reduced as backward goes; a backward cut short leaves
-        some marked, and the next backward fails with 'Gradient computed twice for this partition'.
-        Clearing the gradients and the partition bookkeeping restores a fresh-step state.
+        ZeRO-2 keeps per-backward bookkeeping that an interrupted backward leaves half-done: gradients
+        queued in the reduce bucket, partitions marked as reduced (the next backward then fails with
+        'Gradient computed twice for this partition'), the backward depth counter still raised, and a
+        micro-step counter that makes the next backward accumulate into stale host buffers. Reset all of
+        it to the state at the start of a step and release the buckets' GPU buffers. The optimizer's
+        states and the weights are kept (an OOM in step may have updated some of them; the probe does
+        not care, and training stops on an OOM anyway). Checked against DeepSpeed 0.19.8 by
+        tests/test_probe_run.py: a step after this matches a fresh engine's.
         """
         opt = self.optimizer
+        if hasattr(opt, "_backward_hook_state"):  # the aborted backward never ran exit_backward()
+            opt._backward_active_depth = 0
+            opt._remaining_grad_acc_hooks = 0
+        if hasattr(opt, "clear_backward_seen_flag"):
+            opt.clear_backward_seen_flag()  # hook counters, and the grad_accum of the aborted backward
         opt.zero_grad(set_to_none=True)
-        for name in ("reset_partition_gradient_structures", "reset_cpu_buffers"):
-            if hasattr(opt, name):
-                getattr(opt, name)()
-        for i, group in enumerate(getattr(opt, "params_already_reduced", [])):
-            opt.params_already_reduced[i] = False
-        for attr in ("params_in_ipg_bucket", "grads_in_ipg_bucket"):
-            if hasattr(opt, attr):
-                getattr(opt, attr).clear()
-        if hasattr(opt, "elements_in_ipg_bucket"):
-            opt.elements_in_ipg_bucket = 0
-        if hasattr(opt, "extra_large_param_to_reduce"):
-            opt.extra_large_param_to_reduce = None
+        for bucket in getattr(opt, "ipg_buckets", {}).values():  # gradients queued for reduction
+            bucket.clear()
+        for name in ("extra_large_param_to_reduce", "previous_reduced_grads"):
+            getattr(opt, name, {}).clear()
+        reduced = getattr(opt, "params_already_reduced", [])
+        for i in range(len(reduced)):
+            reduced[i] = False
+        if hasattr(opt, "reset_partition_gradient_structures"):
+            opt.reset_partition_gradient_structures()
+        if hasattr(opt, "_release_ipg_buffers"):
+            opt._release_ipg_buffers()  # frees the reduce buckets on the GPU; the next backward allocates them
+        for name in ("averaged_gradients", "all_grad_tensors"):
+            grads = getattr(opt, name, {})
+            for key in list(grads):
+                grads[key] = None
+        if getattr(opt, "cpu_offload", False):
+            opt.reset_cpu_buffers()
+            opt._offload_accumulated_param_ids = set()
+        if hasattr(opt, "micro_step_id"):
+            from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID
+
+            opt.micro_step_id = INITIAL_MICRO_STEP_ID  # else the next backward counts as an accumulation step
+        timers = getattr(getattr(self.ds, "timers", None), "timers", {})  # only with wall_clock_breakdown
+        for timer in timers.values():
+            if getattr(timer, "started_", False):
+                timer.started_ = False
         self.ds.zero_grad()
         memory.free_memory()
 

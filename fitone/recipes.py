@@ -6,6 +6,7 @@ Found by globbing the folder (no hand-kept registry). In a source checkout that 
 
 from __future__ import annotations
 
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,9 +19,11 @@ from fitone.errors import ConfigError
 
 
 def recipe_dir() -> Path:
-    checkout = Path(__file__).resolve().parent.parent / "recipes"
-    if checkout.is_dir():
-        return checkout
+    """The repo's `recipes/` in a source checkout (edits show at once), else the installed copy."""
+    root = Path(__file__).resolve().parent.parent
+    # pyproject.toml tells a checkout from site-packages, which may hold some other package's `recipes/`
+    if (root / "recipes").is_dir() and (root / "pyproject.toml").is_file():
+        return root / "recipes"
     from importlib.resources import files
 
     return Path(str(files("fitone") / "_recipes"))
@@ -33,7 +36,26 @@ class Recipe:
     values: dict[str, Any]
     header: str  # the leading comment block: the command that runs it, and what was measured
 
+    @property
+    def model(self) -> str:
+        return str(self.values.get("model", "?"))
+
+    @property
+    def gpu_class(self) -> str:
+        return self.path.stem  # "24gb", "80gb", "cpu"
+
+    @property
+    def measured(self) -> str | None:
+        """'micro-batch 20, 4.5 samples/s' from the header's `# Measured:` line; None when not measured."""
+        line = next((ln for ln in self.header.splitlines() if ln.lstrip("# ").lower().startswith("measured:")), "")
+        batch = re.search(r"micro-batch (\d+)", line)
+        speed = re.search(r"([\d.]+) samples/s", line)
+        if not (batch and speed):
+            return None
+        return f"micro-batch {batch.group(1)}, {speed.group(1)} samples/s"
+
     def config(self, **overrides: Any) -> TrainConfig:
+        """The recipe's values with `overrides` on top (a key=value or a flag beats the file)."""
         return TrainConfig.from_dict({**self.values, **overrides, "recipe": self.name}, where=f"recipe {self.name}")
 
 

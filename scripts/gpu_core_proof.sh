@@ -8,9 +8,9 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu
 for prec in fp16 bf16; do
   cmd="python3 -m fitone train --model t5-3b --from-scratch --data synthetic --src-len 128 --tgt-len 128 --batch-size 64 --max-gpu-memory 23GiB --max-steps 20 --precision $prec --no-progress --out /tmp/run-$prec"
   echo "\$ $cmd" | tee "$out/core-$prec.log"
-  /usr/bin/time -v $cmd >> "$out/core-$prec.log" 2>&1
-  echo "exit $?" >> "$out/core-$prec.log"
+  SECONDS=0; $cmd >> "$out/core-$prec.log" 2>&1
+  echo "exit $? after ${SECONDS}s" >> "$out/core-$prec.log"
   cp /tmp/run-$prec/metrics.jsonl "$out/core-$prec-metrics.jsonl" 2>/dev/null
-  grep -E "TrainResult|error|Maximum resident|Elapsed|exit" "$out/core-$prec.log"
+  grep -E "TrainResult|error|exit" "$out/core-$prec.log"
   rm -rf /tmp/run-$prec
 done

@@ -15,6 +15,7 @@ from fitone.errors import FitoneError
 # command name -> module under fitone.cli
 COMMANDS = {
     "train": "train",
+    "plan": "plan",
 }
 
 
