@@ -93,6 +93,7 @@ class TrainConfig:
     verbose: bool = False
     progress: bool = True
     # numerical and memory guards
+    preflight: bool = True  # stop early when the plan says host RAM cannot hold the offloaded states
     max_bad_steps: int = 20
     host_mem_warn: float = 0.90
     host_mem_stop: float = 0.95

@@ -173,6 +173,8 @@ class Trainer:
 
     def _preflight(self) -> None:
         """Stop before the engine is built if host RAM cannot hold the offloaded optimizer states."""
+        if not self.cfg.preflight:
+            return
         try:
             from fitone.plan import preflight
         except ImportError:  # plan arrives in its own module; train works without it

@@ -47,6 +47,7 @@ FLAGS: dict[str, tuple[Any, str]] = {
     "log_every": (int, "log every N steps"),
     "verbose": (bool, "show DeepSpeed's own log lines"),
     "progress": (bool, "show a progress bar"),
+    "preflight": (bool, "check host RAM against the plan before building the engine (--no-preflight skips)"),
     "max_bad_steps": (int, "stop after this many consecutive NaN/overflow steps"),
 }
 
