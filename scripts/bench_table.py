@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""Render benchmark results (scripts/bench_gpu.py's JSON) as the markdown tables of bench/README.md.
+
+    python scripts/bench_table.py bench/results/2026-11-29-nvidia-h200.json
+    python scripts/bench_table.py $OUT1/*.json $OUT2/*.json --merge bench/results/2026-11-29-nvidia-h200.json
+
+Several files (one per device call) are read in order; `--merge FILE` also writes them as one list.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any, Iterable
+
+SPLIT_KEYS = ("forward_s", "backward_s", "optimizer_s")
+DETAIL_KEYS = ("backward_compute_s", "grad_transfer_s", "grad_norm_s", "unscale_clip_s", "cpu_adam_s",
+               "param_upload_s", "allgather_s", "optimizer_other_s")
+
+
+def load(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
+    records: list[dict[str, Any]] = []
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        if not isinstance(data, list):
+            raise SystemExit(f"{path}: expected a JSON list of records (scripts/bench_gpu.py output)")
+        records += data
+    return records
+
+
+def _num(value: Any, fmt: str) -> str:
+    return "–" if value is None else format(value, fmt)
+
+
+def _setup(rec: dict[str, Any]) -> tuple:
+    return (rec.get("model"), rec.get("params"), rec.get("precision"), rec.get("src_len"), rec.get("tgt_len"),
+            rec.get("gpu"), rec.get("activation_checkpointing"))
+
+
+def result_cell(rec: dict[str, Any]) -> str:
+    """What happened, when it is not a plain timing: OOM, error, the auto-find outcome, skipped steps."""
+    if rec.get("error"):
+        return "error: " + str(rec["error"]).splitlines()[0][:120]
+    if rec.get("oom"):
+        return "OOM" + (f" ({rec['note']})" if rec.get("note") else "")
+    notes = []
+    if rec.get("outcome"):
+        notes.append(str(rec["outcome"])[:160] + (f" after {rec['elapsed_s']:.0f} s" if rec.get("elapsed_s") else ""))
+    if rec.get("timed_skipped"):
+        notes.append(f"{rec['timed_skipped']} timed steps skipped (fp16 overflow)")
+    if rec.get("init_shared"):
+        notes.append("same process as smaller sizes")
+    return "; ".join(notes)
+
+
+def render(records: list[dict[str, Any]]) -> str:
+    """Markdown: one table per setup (model, precision, lengths, GPU), then the step split where recorded."""
+    if not records:
+        return "(no records)"
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for rec in records:
+        groups.setdefault(_setup(rec), []).append(rec)
+    parts = []
+    for (model, params, precision, src, tgt, gpu, ckpt), recs in groups.items():
+        size = f", {params / 1e9:.3f}B params" if params else ""
+        dates = sorted({r.get("date") for r in recs if r.get("date")})
+        parts.append(f"**{model}**{size}, {precision}, src/tgt {src}/{tgt}, "
+                     f"activation checkpointing {'on' if ckpt else 'off'}, on {gpu} ({', '.join(dates)})\n")
+        parts.append("| tool | cap GiB | micro-batch | s/step (min–max) | samples/s | peak GPU GiB | peak host GiB "
+                     "| init s | result |")
+        parts.append("|---|---|---|---|---|---|---|---|---|")
+        for r in recs:
+            spread = r.get("step_s_spread")
+            step = _num(r.get("step_s"), ".3f") + (f" ({spread[0]:.2f}–{spread[1]:.2f})" if spread else "")
+            parts.append(f"| {r.get('tool')} | {_num(r.get('cap_gib'), 'g') if r.get('cap_gib') else 'none'} "
+                         f"| {r.get('batch_size')} | {step} | {_num(r.get('samples_per_s'), '.1f')} "
+                         f"| {_num(r.get('peak_gpu_gib'), '.2f')} | {_num(r.get('peak_host_gib'), '.1f')} "
+                         f"| {_num(r.get('init_s'), '.1f')} | {result_cell(r)} |")
+        parts.append("")
+        split = [r for r in recs if r.get("split") or r.get("split_detail")]
+        if split:
+            parts.append(split_table(split))
+    return "\n".join(parts).rstrip() + "\n"
+
+
+def split_table(recs: list[dict[str, Any]]) -> str:
+    """Seconds per part of one step: the timed steps' forward/backward/optimizer, and the detail step's parts."""
+    detail = [k for k in DETAIL_KEYS if any(k in (r.get("split_detail") or {}) for r in recs)]
+    head = ["tool", "micro-batch", *SPLIT_KEYS, *[f"detail: {k}" for k in detail]]
+    rows = ["| " + " | ".join(h.replace("_s", "") for h in head) + " |", "|" + "---|" * len(head)]
+    for r in recs:
+        coarse, fine = r.get("split") or {}, r.get("split_detail") or {}
+        cells = [str(r.get("tool")), str(r.get("batch_size"))]
+        cells += [_num(coarse.get(k), ".3f") for k in SPLIT_KEYS] + [_num(fine.get(k), ".3f") for k in detail]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "Where a step's time goes (seconds; detail from an extra step with a sync around each part):\n\n" + \
+        "\n".join(rows) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("files", nargs="+", help="results JSON files from scripts/bench_gpu.py")
+    parser.add_argument("--merge", metavar="FILE", help="also write all records as one JSON list to FILE")
+    args = parser.parse_args(argv)
+    records = load(args.files)
+    if args.merge:
+        Path(args.merge).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.merge).write_text(json.dumps(records, indent=1) + "\n")
+    sys.stdout.write(render(records))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""The GPU benchmark harness (scripts/bench_gpu.py) on CPU: real child processes, a tiny model.
+
+Its numbers only count on the GPU; here we prove the plumbing: every tool builds the same model on the
+same data, each run is its own process, records carry the promised fields with sane values, the
+results file survives a child that times out, and an out-of-memory size stops larger ones.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "bench_gpu.py"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load("bench_gpu")
+table = _load("bench_table")
+
+SMOKE = ["--device", "cpu", "--batch-sizes", "2", "--steps", "2", "--warmup", "1", "--split-steps", "1",
+         "--src-len", "16", "--tgt-len", "16"]
+
+
+def _run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    # One OpenMP thread: on a shared 2-core box two spinning threads make a tiny model's step 100x slower.
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("TORCH_EXTENSIONS_DIR", "/root/.cache/fitone/torch_extensions")
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """One harness run: fitone, the hand-written DeepSpeed loop, HF Trainer and plain PyTorch, a child each."""
+    out = tmp_path_factory.mktemp("bench") / "results.json"
+    proc = _run(["--tools", "fitone,deepspeed,hf-trainer,torch-plain", *SMOKE, "--out", str(out), "--log-dir"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out, json.loads(out.read_text()), proc.stdout
+
+
+def test_every_tool_writes_a_record_with_the_promised_fields(smoke):
+    _, records, _ = smoke
+    assert [r["tool"] for r in records] == ["fitone", "deepspeed", "hf-trainer", "torch-plain"]
+    for r in records:
+        missing = [f for f in bench.FIELDS if f not in r]
+        assert not missing, (r["tool"], missing)
+        assert r["error"] is None and r["oom"] is False, r
+        setup = (r["model"], r["precision"], r["batch_size"], r["src_len"], r["tgt_len"])
+        assert setup == ("t5-tiny", "fp32", 2, 16, 16)
+        assert r["gpu"] == "cpu" and r["cap_gib"] is None and r["date"]
+        assert "--device cpu" in r["command"] and r["command"].startswith("python ")
+
+
+def test_step_times_are_medians_of_the_timed_steps(smoke):
+    _, records, _ = smoke
+    for r in records:
+        assert len(r["step_times"]) == 2  # --steps 2: warm-up and split steps are not in the timing
+        lo, hi = r["step_s_spread"]
+        assert 0 < lo <= r["step_s"] <= hi
+        assert r["step_s"] == pytest.approx(sorted(r["step_times"])[0] / 2 + sorted(r["step_times"])[1] / 2, abs=1e-3)
+        assert r["samples_per_s"] == pytest.approx(2 / r["step_s"], rel=0.01)
+        assert 0 < r["peak_host_gib"] < 64 and r["peak_gpu_gib"] == 0  # no GPU here
+        assert r["init_s"] >= 0
+
+
+def test_all_tools_train_the_same_model_on_the_same_data(smoke):
+    """Same seed, same config, same first batch: the first loss agrees to fp32 noise across tools.
+    (HF Trainer's sampler shuffles the rows, so its first batch differs; its weights do not.)"""
+    from fitone.models import build_model, load_config
+
+    _, records, _ = smoke
+    n_params = sum(p.numel() for p in build_model(load_config("t5-tiny", from_scratch=True), meta=True).parameters())
+    assert {r["params"] for r in records} == {n_params}
+    first = [r["loss_first"] for r in records if r["tool"] != "hf-trainer"]
+    assert all(math.isfinite(x) for x in first)
+    assert max(first) - min(first) < 1e-3, first
+
+
+def test_each_loop_records_where_a_step_goes(smoke):
+    _, records, _ = smoke
+    for r in records:
+        split = r["split"]
+        assert {"forward_s", "backward_s", "optimizer_s"} <= split.keys()
+        assert sum(split[k] for k in ("forward_s", "backward_s", "optimizer_s")) <= r["step_s_spread"][1] * 1.5
+    for r in records[:3]:  # fitone and HF Trainer (their engines captured) and the hand-written loop
+        detail = r["split_detail"]
+        for key in ("grad_transfer_s", "cpu_adam_s", "param_upload_s", "backward_compute_s"):
+            assert detail[key] >= 0, (r["tool"], key)
+        assert detail["cpu_adam_s"] > 0  # DeepSpeedCPUAdam really ran in the detail step
+
+
+def test_child_logs_and_table_are_written(smoke):
+    out, records, stdout = smoke
+    logs = sorted(p.name for p in (out.parent / "results-logs").iterdir())
+    assert logs == ["deepspeed-b2.log", "fitone-b2.log", "hf-trainer-b2.log", "torch-plain-b2.log"]
+    for tool in ("fitone", "deepspeed", "hf-trainer", "torch-plain"):
+        assert f"| {tool} | none | 2 |" in stdout  # the table printed at the end
+    rendered = table.render(records)
+    assert "Where a step's time goes" in rendered and rendered.count("| deepspeed |") == 2
+    assert all(f"| {r['step_s']:.3f} (" in rendered for r in records)
+
+
+def test_a_child_that_times_out_leaves_an_error_record_and_the_file(tmp_path):
+    out = tmp_path / "r.json"
+    proc = _run(["--tools", "deepspeed", *SMOKE, "--out", str(out), "--timeout", "2"], timeout=120)
+    assert proc.returncode == 1  # a run that did not finish is reported, not hidden
+    (rec,) = json.loads(out.read_text())
+    assert rec["tool"] == "deepspeed" and rec["error"].startswith("timeout after 2 s")
+    assert rec["step_s"] is None
+
+
+def test_results_append_to_an_existing_file(tmp_path):
+    """A second device call naming the same file adds to it (run_jobs reads what is there first)."""
+    out = tmp_path / "r.json"
+    out.write_text(json.dumps([{"tool": "earlier"}]))
+    args = bench.parse_args(["--tools", "torch-plain-uncapped", *SMOKE, "--out", str(out)])
+    job = bench.plan_jobs(args)[0]
+    ctx = {"gpu": "cpu", "date": "2026-01-01", "command": "python scripts/bench_gpu.py"}
+    # the job as a child with a budget already spent: it is not started, and says so
+    new, interrupted = bench.run_jobs([job], ctx, out, None, budget=0)
+    assert not interrupted and new[0]["error"] == "not run: --budget spent"
+    assert [r["tool"] for r in json.loads(out.read_text())] == ["earlier", "torch-plain-uncapped"]
+
+
+def test_an_oom_stops_larger_sizes_of_that_tool(tmp_path, monkeypatch):
+    """CPU cannot run out of GPU memory, so the child's answer is faked: batch 4 OOMs, 8 is never started."""
+    started = []
+
+    def fake_run_job(job, timeout, log_path):
+        started.append(job["sizes"])
+        log_path.write_text("")
+        size = job["sizes"][0]
+        rec = {"batch_size": size, "oom": size >= 4, "oom_message": "CUDA out of memory" if size >= 4 else None,
+               "step_s": 1.0, "samples_per_s": float(size)}
+        return [rec], {}, ""
+
+    monkeypatch.setattr(bench, "run_job", fake_run_job)
+    args = bench.parse_args(["--tools", "deepspeed", "--device", "cpu", "--batch-sizes", "2,4,8", "--out",
+                             str(tmp_path / "r.json")])
+    ctx = {"gpu": "cpu", "date": "2026-01-01", "command": "x"}
+    new, _ = bench.run_jobs(bench.plan_jobs(args), ctx, tmp_path / "r.json", None, budget=None)
+    assert started == [[2], [4]]
+    assert [(r["batch_size"], r["oom"]) for r in new] == [(2, False), (4, True), (8, True)]
+    assert "not run" in new[2]["note"]
+    assert "OOM" in table.render(new)
+
+
+def test_plan_groups_sizes_only_where_an_engine_can_be_reused():
+    args = bench.parse_args(["--same-process", "--tools", "fitone,deepspeed,torch-plain,hf-trainer-auto-find"])
+    jobs = [(j["tool"], j["sizes"], j["cap"]) for j in bench.plan_jobs(args)]
+    assert jobs == [
+        ("fitone", [8], "23GiB"), ("fitone", [64], "23GiB"), ("fitone", [256], "23GiB"),
+        ("deepspeed", [8, 64, 256], "23GiB"),
+        ("torch-plain", [1, 8, 64, 256], "23GiB"),  # the blog's claim: plain fp16 fails at batch 1 under the cap
+        ("hf-trainer-auto-find", [320], "23GiB"),  # starts above the largest size, 1.25x
+    ]
+    uncapped = bench.plan_jobs(bench.parse_args(["--tools", "torch-plain-uncapped", "--batch-sizes", "256"]))
+    assert uncapped[0]["cap"] is None
+
+
+def test_defaults_follow_the_device_and_quick_mode():
+    cpu = bench.parse_args(["--device", "cpu"])
+    assert (cpu.model, cpu.precision, cpu.cap) == ("t5-tiny", "fp32", None)
+    quick = bench.parse_args(["--quick"])
+    assert (quick.model, quick.batch_sizes, quick.tools, quick.same_process) == (
+        "t5-large", [16, 64], ["fitone", "deepspeed"], True)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--device", "cpu", "--precision", "fp16"])  # DeepSpeed refuses fp16 on CPU
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--tools", "fitone,megatron"])
+
+
+def test_default_results_name_is_date_and_gpu(tmp_path):
+    assert bench.resolve_out(None, "NVIDIA H200", "2026-11-29") == ROOT / "bench/results/2026-11-29-nvidia-h200.json"
+    assert bench.resolve_out(str(tmp_path), "NVIDIA H200", "2026-11-29") == tmp_path / "2026-11-29-nvidia-h200.json"
+    assert bench.resolve_out(str(tmp_path / "x.json"), "cpu", "2026-11-29") == tmp_path / "x.json"
