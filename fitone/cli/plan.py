@@ -1,0 +1,45 @@
+"""`fitone plan`: predict GPU and host memory before allocating anything (all maths in fitone.plan)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from fitone.cli.options import add_config_flags, given
+
+FLAGS = ("model", "from_scratch", "src_len", "tgt_len", "seq_len", "batch_size", "grad_accum", "global_batch",
+         "precision", "activation_checkpointing", "offload", "ds_config", "max_gpu_memory", "device")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "plan",
+        help="predict GPU and host memory of a run, without loading weights",
+        description="Predict what a ZeRO-2 run needs on the GPU and in host RAM, from a meta-device model "
+                    "(no weights, nothing allocated), and the largest micro-batch that fits. "
+                    "Example: fitone plan --model t5-3b --gpu-mem 24GiB --src-len 128 --tgt-len 128",
+    )
+    add_config_flags(parser, FLAGS)
+    parser.add_argument("--gpu-mem", metavar="SIZE",
+                        help="memory of the card to plan for, e.g. 24GiB or 24GB (default: this machine's GPU; "
+                             "required on a machine without one)")
+    parser.add_argument("--gpus", type=int, default=1, metavar="N",
+                        help="data-parallel GPUs; ZeRO-2 splits optimizer states and fp32 grads N ways (default 1)")
+    parser.add_argument("--host-mem", metavar="SIZE", help="host RAM to plan for (default: what is available now)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--plot", metavar="PNG", help="also draw where the memory goes, as a stacked bar chart")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from fitone.config import TrainConfig
+    from fitone.plan import plan
+
+    cfg = TrainConfig.from_dict(given(args, FLAGS))
+    result = plan(cfg, gpu_mem=args.gpu_mem, gpus=args.gpus, host_mem=args.host_mem)
+    print(json.dumps(result.to_dict(), indent=2) if args.json else result)
+    if args.plot:
+        result.plot(args.plot)
+        print(f"wrote {args.plot}", file=sys.stderr if args.json else sys.stdout)
+    return 0

@@ -1,0 +1,278 @@
+"""Memory plans: component arithmetic by value, how the prediction moves, verdicts, CLI, and one real
+DeepSpeed ZeRO-2 CPU-offload engine whose host RSS is compared with the plan."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fitone import memory
+from fitone.cli import dispatch, main
+from fitone.config import TrainConfig
+from fitone.errors import MemoryBudgetError
+from fitone.models import build_model, load_config
+from fitone.plan import DOES_NOT_FIT, FITS_ON_GPU, FITS_WITH_OFFLOAD, plan, preflight
+
+GIB = 1024**3
+T5_3B = dict(model="t5-3b", from_scratch=True, src_len=128, tgt_len=128, precision="fp16")
+
+
+def part(p, where: str, name: str) -> int:
+    return next(c.bytes for c in getattr(p, where) if c.name == name)
+
+
+def pow2(n: int) -> int:
+    return 2 ** math.ceil(math.log2(n))
+
+
+# -- component arithmetic ----------------------------------------------------------------------------
+def test_t5_3b_model_states_by_value():
+    p = plan(**T5_3B, gpu_mem="24GiB", host_mem="256GiB")
+    n = p.n_params
+    assert 2.84e9 < n < 2.86e9  # t5-3b: 2.85B with the shared embedding counted once
+    assert part(p, "gpu", "weights") == 2 * n  # fp16 weights on the GPU
+    assert part(p, "gpu", "gradient buckets") == 2 * int(2e8) * 2  # overlap_comm: two 16-bit buckets
+    assert part(p, "host", "fp32 master weights") == part(p, "host", "fp32 gradients") == 4 * n
+    assert part(p, "host", "Adam m and v") == 8 * n
+    largest = 32128 * 1024  # the shared embedding
+    assert part(p, "host", "16-bit weight staging") == 2 * n + 2 * largest
+    # pinned blocks are rounded up to powers of two: 16 + 16 + 8 GiB (+ the largest-param buffer)
+    exact = 4 * n + 4 * n + 2 * n + 2 * largest
+    rounded = pow2(4 * n) * 2 + pow2(2 * n) + pow2(2 * largest)
+    assert pow2(4 * n) == 16 * GIB and pow2(2 * n) == 8 * GIB
+    assert part(p, "host", "pinned rounding") == rounded - exact
+    assert p.host_total == sum(c.bytes for c in p.host)
+    # ANCHORS measured 63.4 GiB RSS on the H200 for this run; plan within 15%
+    assert abs(p.host_total / GIB - 63.4) < 0.15 * 63.4
+
+
+def test_tiny_model_counts_match_the_real_model_and_fp32_doubles_weights():
+    real = build_model(load_config("t5-tiny", from_scratch=True))
+    n_real = sum(p.numel() for p in real.parameters())
+    p16 = plan(model="t5-tiny", from_scratch=True, gpu_mem="8GiB", host_mem="64GiB", precision="bf16")
+    p32 = plan(model="t5-tiny", from_scratch=True, gpu_mem="8GiB", host_mem="64GiB", precision="fp32")
+    assert p16.n_params == p32.n_params == n_real
+    assert part(p16, "gpu", "weights") == 2 * n_real
+    assert part(p32, "gpu", "weights") == 4 * n_real
+    assert part(p32, "gpu", "gradient buckets") == 2 * part(p16, "gpu", "gradient buckets")  # 4 B vs 2 B
+
+
+def test_anchor_batches_within_ten_percent_of_measured_peaks():
+    # ANCHORS.md: t5-3b fp16, 128/128, checkpointing, ZeRO-2 offload, torch.cuda.max_memory_allocated
+    measured = {8: 6.7, 64: 9.3, 128: 12.3, 256: 18.3}
+    for batch, gib in measured.items():
+        p = plan(**T5_3B, batch_size=batch, max_gpu_memory="23GiB", gpu_mem="141GiB", host_mem="256GiB")
+        assert abs(p.gpu_allocated / GIB - gib) < 0.10 * gib, (batch, p.gpu_allocated / GIB)
+    no_ckpt = plan(**T5_3B, batch_size=8, activation_checkpointing=False, gpu_mem="141GiB", host_mem="256GiB")
+    assert abs(no_ckpt.gpu_allocated / GIB - 16.7) < 0.10 * 16.7
+
+
+# -- how the prediction moves ------------------------------------------------------------------------
+def test_max_batch_grows_with_the_cap_and_shrinks_with_length():
+    small = plan(**T5_3B, gpu_mem="16GiB", host_mem="256GiB")
+    big = plan(**T5_3B, gpu_mem="40GiB", host_mem="256GiB")
+    assert 0 < small.max_micro_batch < big.max_micro_batch
+    longer = plan(**{**T5_3B, "src_len": 512, "tgt_len": 256}, gpu_mem="40GiB", host_mem="256GiB")
+    assert longer.activation_per_sample > big.activation_per_sample
+    assert longer.max_micro_batch < big.max_micro_batch
+
+
+def test_activations_scale_with_micro_batch():
+    p1 = plan(**T5_3B, batch_size=1, gpu_mem="80GiB", host_mem="256GiB")
+    p10 = plan(**T5_3B, batch_size=10, gpu_mem="80GiB", host_mem="256GiB")
+    assert part(p10, "gpu", "activations") == 10 * part(p1, "gpu", "activations")
+
+
+def test_checkpointing_lowers_activation_bytes():
+    for model, extra in (("t5-3b", {}), ("gpt2-xl", {"seq_len": 1024}), ("llama-7b", {"seq_len": 2048})):
+        on = plan(model=model, from_scratch=True, gpu_mem="80GiB", host_mem="512GiB", **extra)
+        off = plan(model=model, from_scratch=True, gpu_mem="80GiB", host_mem="512GiB",
+                   activation_checkpointing=False, **extra)
+        assert on.activation_per_sample == off.activation_per_sample_ckpt
+        assert on.activation_per_sample < off.activation_per_sample / 3, model
+        assert off.max_micro_batch <= on.max_micro_batch
+
+
+def test_causal_lm_logits_are_counted_at_the_vocab_size():
+    # the fp32 log-softmax and its gradients: at least 3 x 4 B x vocab per token, the largest term for GPT-2
+    p = plan(model="gpt2", from_scratch=True, seq_len=1024, gpu_mem="80GiB", host_mem="64GiB")
+    assert p.activation_per_sample_ckpt > 3 * 4 * 50257 * 1024
+
+
+def test_two_gpus_halve_the_partitioned_host_states():
+    one = plan(**T5_3B, gpu_mem="24GiB", host_mem="256GiB", gpus=1)
+    two = plan(**T5_3B, gpu_mem="24GiB", host_mem="256GiB", gpus=2)
+    for name in ("fp32 master weights", "fp32 gradients", "Adam m and v"):
+        assert part(two, "host", name) == pytest.approx(part(one, "host", name) / 2, abs=8)
+    assert part(two, "gpu", "weights") == part(one, "gpu", "weights")  # ZeRO-2 keeps all 16-bit weights
+    assert two.host_total == 2 * sum(c.bytes for c in two.host)  # both ranks live on this host
+
+
+# -- verdicts ----------------------------------------------------------------------------------------
+def test_verdicts():
+    assert plan(**T5_3B, gpu_mem="24GiB", host_mem="256GiB").verdict == FITS_WITH_OFFLOAD
+    small = plan(model="t5-small", from_scratch=True, gpu_mem="80GiB", host_mem="64GiB")
+    assert small.verdict == FITS_ON_GPU
+    assert any("--offload none" in s for s in small.suggestions)
+
+
+def test_short_host_ram_names_the_resource_and_the_fix():
+    p = plan(**T5_3B, gpu_mem="24GiB", host_mem="32GiB")
+    assert p.verdict == DOES_NOT_FIT
+    assert p.short["host"] == p.host_total - 32 * GIB
+    assert any("host RAM" in s for s in p.suggestions) and any("pin_memory" in s for s in p.suggestions)
+
+
+def test_short_gpu_suggests_what_would_fit():
+    p = plan(**{**T5_3B, "precision": "fp32"}, batch_size=64, activation_checkpointing=False, gpu_mem="24GiB",
+             host_mem="256GiB")
+    assert p.verdict == DOES_NOT_FIT and "GPU" in p.short
+    text = " ".join(p.suggestions)
+    assert "--activation-checkpointing" in text and "--precision bf16" in text and "--batch-size" in text
+
+
+def test_deepspeed_estimate_is_deepspeeds_own_function():
+    # DeepSpeed's estimate_zero2_model_states_mem_needs_all_live counts a real model's params (shared once);
+    # the plan counts the meta model. Same count, so the same DeepSpeed numbers: 2 B/param GPU, 24 host.
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs, model_to_params
+
+    real = build_model(load_config("t5-small", from_scratch=True))
+    p = plan(model="t5-small", from_scratch=True, gpu_mem="24GiB", host_mem="64GiB")
+    assert model_to_params(real) == p.n_params
+    host, gpu = estimate_zero2_model_states_mem_needs(p.n_params, 1, 1, cpu_offload=True)
+    assert p.deepspeed_estimate == {"gpu": gpu, "host": host} == {"gpu": 2 * p.n_params, "host": 24 * p.n_params}
+
+
+def test_unknown_architecture_uses_the_generic_formula_and_says_so(tmp_path):
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("opt", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_dim=256,
+                         vocab_size=500, max_position_embeddings=128).save_pretrained(tmp_path)
+    p = plan(model=str(tmp_path), from_scratch=True, seq_len=64, gpu_mem="8GiB", host_mem="16GiB")
+    assert p.family == "generic" and p.activation_per_sample > 0
+    assert any("generic" in n for n in p.notes)
+
+
+def test_plot_draws_a_png(tmp_path):
+    p = plan(**T5_3B, gpu_mem="24GiB", host_mem="256GiB")
+    out = tmp_path / "plan.png"
+    p.plot(str(out))
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+
+    height, width, _ = matplotlib.image.imread(out).shape
+    assert width > 500 and height > 300
+
+
+# -- CLI ---------------------------------------------------------------------------------------------
+def test_cli_json_is_one_object(capsys):
+    code = dispatch(["plan", "--model", "t5-small", "--from-scratch", "--gpu-mem", "24GB", "--host-mem", "64GiB",
+                     "--json"])
+    assert code == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["gpu_gib"] > 0 and data["host_gib"] > 0
+    names = {c["name"] for c in data["components"]["gpu"]}
+    assert {"weights", "gradient buckets", "activations"} <= names
+    assert data["verdict"] in (FITS_ON_GPU, FITS_WITH_OFFLOAD, DOES_NOT_FIT)
+    assert data["gpu_limit_gib"] == pytest.approx(24e9 / GIB, abs=1e-3)  # "24GB" means 10^9 bytes
+
+
+def test_cli_json_stdout_holds_only_the_object():
+    # a fresh process: DeepSpeed's import-time log lines must not land on stdout
+    out = subprocess.run([sys.executable, "-m", "fitone", "plan", "--model", "t5-tiny", "--from-scratch",
+                          "--gpu-mem", "8GiB", "--host-mem", "16GiB", "--json"],
+                         capture_output=True, text=True, check=True).stdout
+    assert json.loads(out)["components"]["host"]
+
+
+def test_cli_table(capsys):
+    assert dispatch(["plan", "--model", "t5-small", "--from-scratch", "--gpu-mem", "24GiB", "--host-mem",
+                     "64GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "verdict:" in out and "largest micro-batch that fits" in out
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--model", "t5-small", "--from-scratch", "--gpu-mem", "24XB"], "24GiB"),
+    (["--model", "no-such-model", "--from-scratch", "--gpu-mem", "24GiB"], "shipped config"),
+    (["--model", "t5-small", "--from-scratch", "--gpu-mem", "24GiB", "--src-len", "-3"], "--src-len"),
+    (["--model", "t5-small", "--from-scratch", "--gpu-mem", "24GiB", "--gpus", "0"], "--gpus"),
+])
+def test_bad_input_is_one_line_and_exit_2(capsys, argv, words):
+    assert main(["plan", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and words in err
+
+
+def test_without_a_gpu_the_card_size_is_required(capsys, monkeypatch):
+    monkeypatch.setattr(memory, "cuda_ready", lambda: False)  # this test must not depend on the machine
+    assert main(["plan", "--model", "t5-small", "--from-scratch"]) == 2
+    assert "--gpu-mem" in capsys.readouterr().err
+
+
+# -- preflight ---------------------------------------------------------------------------------------
+def test_preflight_raises_when_host_ram_is_too_small(monkeypatch):
+    # fake only the reading of available RAM (this machine has what it has)
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 4 * GIB)
+    monkeypatch.setattr(memory, "host_rss_bytes", lambda: 0)
+    with pytest.raises(MemoryBudgetError) as err:
+        preflight(TrainConfig(**{**T5_3B, "precision": "bf16"}), micro_batch=8)
+    msg = str(err.value)
+    assert "short" in msg and "more host RAM" in msg and err.value.exit_code == 2
+
+
+def test_preflight_passes_and_returns_the_plan(monkeypatch):
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 16 * GIB)
+    p = preflight(TrainConfig(model="t5-tiny", from_scratch=True, precision="fp32", device="cpu"), micro_batch=4)
+    assert p.micro_batch == 4 and p.host_total < 16 * GIB
+
+
+# -- against a real DeepSpeed ZeRO-2 CPU-offload engine ------------------------------------------------
+def _rss_after_trim() -> int:
+    """RSS once glibc has returned its free lists, so it counts live memory rather than malloc caches."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+    return memory.host_rss_bytes()
+
+
+def test_host_rss_of_a_real_offload_engine_matches_the_plan(monkeypatch):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", LOCAL_RANK="0",
+                           WORLD_SIZE="1", DS_ACCELERATOR="cpu").items():
+        monkeypatch.setenv(key, value)
+    import deepspeed
+
+    from fitone.ds_config import build_ds_config
+
+    cfg = TrainConfig(model="t5-small", from_scratch=True, precision="fp32", device="cpu", src_len=32, tgt_len=32)
+    predicted = preflight(cfg, micro_batch=2)
+    torch.manual_seed(0)
+    model = build_model(load_config("t5-small", from_scratch=True))
+    started_dist = not torch.distributed.is_initialized()
+    before = _rss_after_trim()
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                      config=build_ds_config(cfg, micro_batch=2, on_gpu=False))
+    try:
+        ids = torch.randint(2, 1000, (2, 32))
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()  # Adam's m and v exist from the first step
+        grown = _rss_after_trim() - before
+    finally:
+        engine.destroy()
+        if started_dist:
+            torch.distributed.destroy_process_group()
+    # what offloading adds (fp32 master, fp32 grads, weight staging, Adam m and v) plus, on a CPU-only
+    # run, DeepSpeed's "GPU-side" staging for the largest parameter, which lives in host RAM here
+    expected = predicted.host_states + part(predicted, "gpu", "offload staging")
+    assert abs(grown / expected - 1) < 0.15, (grown / 2**20, expected / 2**20)
