@@ -6,9 +6,12 @@ as the CLI (TrainConfig fields) and return result objects.
 
 from fitone.config import TrainConfig
 from fitone.errors import FitoneError
+from fitone.probe import ProbeResult
+from fitone.probe_run import probe_batch
 from fitone.recipes import load_recipe
 from fitone.train import TrainResult, train
 
 __version__ = "0.1.0"
 
-__all__ = ["TrainConfig", "TrainResult", "FitoneError", "load_recipe", "train", "__version__"]
+__all__ = ["TrainConfig", "TrainResult", "ProbeResult", "FitoneError", "load_recipe", "train", "probe_batch",
+           "__version__"]

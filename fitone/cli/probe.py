@@ -1,0 +1,58 @@
+"""`fitone probe-batch`: the largest micro-batch that trains on this GPU, found on a real engine in minutes."""
+
+from __future__ import annotations
+
+import argparse
+
+from fitone.cli.options import add_config_flags
+from fitone.cli.train import config_from_args
+
+# the train options that decide memory (and --global-batch, to split into micro-batch x accumulation)
+PROBE_FLAGS = ["model", "from_scratch", "data", "source_field", "target_field", "text_field", "src_len", "tgt_len",
+               "seq_len", "global_batch", "precision", "activation_checkpointing", "offload", "ds_config",
+               "max_gpu_memory", "device", "seed", "verbose"]
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "probe-batch", help="find the largest micro-batch that trains on this GPU (binary search on a real engine)",
+        description="Build the model from its config with random weights and the same DeepSpeed engine, precision "
+                    "and activation checkpointing as `fitone train`, then run full training steps on a worst-case "
+                    "batch: double until out of memory, bisect, back off by --margin and verify. The result is "
+                    "saved, and `fitone train --batch-size auto` reuses it.",
+        epilog="example: fitone probe-batch --model t5-3b --from-scratch --data synthetic --src-len 128 "
+               "--tgt-len 128 --precision fp16 --max-gpu-memory 23GiB --json probe.json --plot probe.png")
+    p.add_argument("--recipe", help="a built-in recipe (e.g. t5-tiny/cpu) or a YAML file")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="override recipe values")
+    add_config_flags(p, PROBE_FLAGS)
+    p.add_argument("--max-batch", type=int, default=4096, help="largest size to try (default 4096)")
+    p.add_argument("--max-trials", type=int, default=16, help="search trials before settling (default 16)")
+    p.add_argument("--margin", type=float, default=0.05,
+                   help="back off from the largest fit by this fraction, for memory that varies between steps "
+                        "(fragmentation, allocator caching); in [0, 0.5), default 0.05")
+    p.add_argument("--verify-steps", type=int, default=3, help="steps that verify the chosen size (0: skip)")
+    p.add_argument("--json", dest="json_path", metavar="PATH", help="write the result as JSON")
+    p.add_argument("--plot", dest="plot_path", metavar="PNG", help="plot peak memory and samples/s against size")
+    p.add_argument("--save", dest="save_path", metavar="RECIPE.yaml", help="write batch_size: N into this recipe")
+    p.add_argument("--no-cache", dest="use_cache", action="store_false",
+                   help="measure again even when a saved probe for these settings exists")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import fitone
+    from fitone.probe_run import save_to_recipe
+
+    cfg = config_from_args(args, PROBE_FLAGS)
+    result = fitone.probe_batch(cfg, max_batch=args.max_batch, max_trials=args.max_trials, margin=args.margin,
+                                verify_steps=args.verify_steps, json_path=args.json_path, plot_path=args.plot_path,
+                                use_cache=args.use_cache)
+    print()
+    print(result.table())
+    if cfg.global_batch is not None:
+        micro, accum = result.for_global_batch(cfg.global_batch)
+        print(f"for --global-batch {cfg.global_batch}: --batch-size {micro} with {accum} accumulation steps")
+    print(f"train with --batch-size {result.chosen} (or --batch-size auto, which reuses this probe)")
+    if args.save_path:
+        print(f"wrote batch_size: {result.chosen} to {save_to_recipe(result, args.save_path)}")
+    return 0

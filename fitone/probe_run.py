@@ -1,0 +1,515 @@
+"""`fitone probe-batch` and `--batch-size auto`: the search of probe.py, run on a real DeepSpeed engine.
+
+A trial runs exactly what training runs: the same ZeRO-2 (+ CPU offload) engine, precision and activation
+checkpointing, and full steps (forward, backward with its gradient transfers, optimizer step) on the
+worst-case batch. One model and one engine serve the whole search, because a t5-3b engine takes 40-80 s to
+build. The model is built from its config with random weights straight on the device (memory does not
+depend on the values, and a CPU init of billions of weights takes minutes).
+
+Results are saved under ~/.cache/fitone/probes/ (or $FITONE_CACHE_DIR/probes/), keyed by everything that
+decides memory, so `fitone train --batch-size auto` reuses a probe instead of repeating it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+import json
+import os
+import re
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from fitone import memory
+from fitone.config import TrainConfig
+from fitone.data import Dataset, load_dataset, worst_case_batch
+from fitone.ds_config import build_ds_config
+from fitone.engine import Engine, apply_gpu_cap, init_distributed, quiet_logs, resolve_device
+from fitone.errors import ConfigError
+from fitone.models import CAUSAL, build_model, enable_activation_checkpointing, load_config, load_tokenizer, task_of
+from fitone.probe import ProbeResult, TrialResult, _check_arguments, search_batch_size
+
+Say = Callable[[str], None]
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+# fp16's loss scale starts at 2^16 and an overflow skips the optimizer step, which would leave the step's
+# memory and time out of a trial; the scale holds no memory, so the probe starts it at 2^0.
+PROBE_LOSS_SCALE_POWER = 0
+NAMED_SOURCES = ("sample", "synthetic")  # not files: the probe uses every sequence at the maximum lengths
+
+
+# ================================================================================================
+# the public functions
+# ================================================================================================
+
+def probe_batch(
+    cfg: TrainConfig | None = None,
+    *,
+    max_batch: int = 4096,
+    max_trials: int = 16,
+    margin: float = 0.05,
+    verify_steps: int = 3,
+    json_path: str | Path | None = None,
+    plot_path: str | Path | None = None,
+    use_cache: bool = True,
+    say: Say = print,
+    on_model: Callable[[torch.nn.Module], None] | None = None,
+    **overrides: Any,
+) -> ProbeResult:
+    """The largest micro-batch that trains on this GPU, its margin-backed choice, and what each trial measured.
+
+    Takes the same options as `train` (a TrainConfig and/or its fields). A saved result for the same
+    memory-deciding settings and the same search settings is reused unless `use_cache=False`; a new
+    result is always saved. `on_model` is called with the probe's model before the engine is built (tests
+    use it to add hooks); its effect is saved like any result, so point FITONE_CACHE_DIR elsewhere.
+    `wall_s` covers everything from the call: model build, engine init, the search and teardown.
+    """
+    began = time.perf_counter()
+    cfg = cfg.replace(**overrides) if cfg is not None else TrainConfig(**overrides)
+    _check_arguments(max_batch=max_batch, max_trials=max_trials, margin=margin, start=1,
+                     verify_steps=verify_steps, trial_steps=1)
+    device, world_size = prepare(cfg)
+    config = load_config(cfg.model, from_scratch=cfg.from_scratch)
+    _check_positions(cfg, config)
+    key = probe_key(cfg, config, device, world_size)
+    search = {"max_batch": max_batch, "max_trials": max_trials, "margin": margin, "verify_steps": verify_steps}
+    cached = read_cached(key, search) if use_cache else None
+    if cached is not None:
+        say(f"reusing the probe saved {cached.meta.get('date', '')} in {cached.meta['cache_file']} "
+            f"(same model config, precision, lengths, GPU and cap; --no-cache measures again)")
+        result = cached
+    else:
+        session = ProbeSession(cfg, config, device, say=say, on_model=on_model)
+        try:
+            result = search_batch_size(session.try_size, cap_bytes=session.cap_bytes, log=say, **search)
+            result.meta.update(session.meta())
+        finally:
+            session.close()
+        result.meta["gpu_allocated_after_close"] = torch.cuda.memory_allocated() if device == "cuda" else None
+        result.meta["search_s"] = result.wall_s
+        result.wall_s = time.perf_counter() - began
+        result.meta["cache_file"] = str(save_cached(key, search, result))
+        say(f"probe done in {result.wall_s:.1f} s (engine init {result.meta['engine_init_s']:.1f} s); "
+            f"saved for --batch-size auto in {result.meta['cache_file']}")
+    if json_path is not None:
+        say(f"wrote {result.save_json(json_path)}")
+    if plot_path is not None:
+        say(f"wrote {result.plot(plot_path)}")
+    return result
+
+
+def batch_size_for_training(cfg: TrainConfig, say: Say = print) -> int:
+    """The micro-batch for `--batch-size auto`: a saved probe for these settings, else a new probe.
+
+    Runs before the training model loads; the probe's model and engine are freed before this returns.
+    With --global-batch the micro-batch is the largest size <= the probe's choice that divides it.
+    """
+    device, world_size = prepare(cfg)
+    config = load_config(cfg.model, from_scratch=cfg.from_scratch)
+    result = read_cached(probe_key(cfg, config, device, world_size))  # any search settings will do
+    if result is not None:
+        say(f"--batch-size auto: reusing the probe saved {result.meta.get('date', '')} in "
+            f"{result.meta['cache_file']}")
+    else:
+        say("--batch-size auto: no saved probe for this model, precision, lengths, GPU and cap: probing first")
+        result = probe_batch(cfg, use_cache=False, say=say)
+    how = f"largest fit {result.largest_fit}, {result.margin * 100:g}% margin"
+    if cfg.global_batch is not None:
+        micro, accum = result.for_global_batch(cfg.global_batch, world_size)
+        say(f"--batch-size auto: micro-batch {micro} x {accum} accumulation steps = --global-batch "
+            f"{cfg.global_batch} (probe chose {result.chosen}; {how})")
+        return micro
+    say(f"--batch-size auto: micro-batch {result.chosen} ({how})")
+    return result.chosen
+
+
+def save_to_recipe(result: ProbeResult, recipe_path: str | Path) -> Path:
+    """Write `batch_size: N` into a recipe YAML, in place, keeping its comments; say what was measured.
+
+    The value of a top-level `batch_size:` line is replaced (its inline comment kept) or the line is
+    added; a `# probe-batch: ...` line at the end of the header comment records the measurement. A file
+    that does not exist yet becomes a recipe of the probed settings.
+    """
+    import yaml
+
+    path = Path(recipe_path)
+    note = f"# probe-batch: {_measured(result)}"
+    if path.exists():
+        lines = path.read_text().splitlines()
+    else:
+        lines = [f"{k}: {_yaml_scalar(v)}" for k, v in _recipe_values(result.meta).items()]
+    lines = [line for line in lines if not line.startswith("# probe-batch:")]
+    for i, line in enumerate(lines):
+        m = re.match(r"batch_size\s*:\s*[^#]*?(\s+#.*)?$", line)
+        if m:
+            lines[i] = f"batch_size: {result.chosen}{m.group(1) or ''}"
+            break
+    else:
+        lines.append(f"batch_size: {result.chosen}")
+    header_end = next((i for i, line in enumerate(lines) if not line.startswith("#")), len(lines))
+    lines.insert(header_end, note)
+    text = "\n".join(lines) + "\n"
+    try:
+        values = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--save {path}: cannot update this YAML ({exc}); add `batch_size: "
+                          f"{result.chosen}` by hand") from exc
+    if not isinstance(values, dict) or values.get("batch_size") != result.chosen:
+        raise ConfigError(f"--save {path}: not a flat recipe with one `batch_size:` line; add `batch_size: "
+                          f"{result.chosen}` by hand")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+    return path
+
+
+# ================================================================================================
+# one engine, many trials
+# ================================================================================================
+
+def prepare(cfg: TrainConfig) -> tuple[str, int]:
+    """Device, distributed env and GPU cap, as training sets them up. Returns (device, world size)."""
+    if not cfg.model:
+        raise ConfigError("no model given: pass --model NAME_OR_PATH (or --recipe NAME)")
+    device = resolve_device(cfg)
+    quiet_logs(cfg.verbose)
+    info = init_distributed(device)
+    if device == "cuda":
+        apply_gpu_cap(cfg)
+    if info.world_size > 1:
+        raise ConfigError(f"probe-batch runs on one GPU, but this is rank {info.rank} of {info.world_size}: run "
+                          "`fitone probe-batch` without a launcher, then train with --batch-size N")
+    return device, info.world_size
+
+
+class ProbeSession:
+    """A probe's model and DeepSpeed engine; `try_size(size, steps)` runs full training steps at a size.
+
+    An out-of-memory error becomes `TrialResult(fits=False, oom_phase=...)`; any other error propagates.
+    """
+
+    def __init__(self, cfg: TrainConfig, config, device: str, *, say: Say = print,
+                 on_model: Callable[[torch.nn.Module], None] | None = None):
+        self.cfg, self.config, self.device, self.say, self.on_model = cfg, config, device, say, on_model
+        self.task = task_of(config)
+        self.cap_bytes = cfg.max_gpu_memory_bytes or memory.gpu_total_bytes()
+        self.data, self.pad_id = self._worst_case_source()
+        self.ds_config = probe_ds_config(cfg, device)
+        self.rebuilds = 0
+        self.skipped_steps = 0
+        self.init_s = 0.0  # engine init, over every engine this session built
+        self._reset_unproven = False  # an engine reset after an OOM that no trial has passed since
+        self.engine: Engine | None = None
+        self.model: torch.nn.Module | None = None
+        try:
+            self._build()
+        except BaseException:
+            self.close()  # a half-built engine holds GPU and pinned host memory too
+            raise
+        first = worst_case_batch(self.task, 1, cfg, config.vocab_size, self.pad_id, self.data)
+        self.batch_tokens = {k: int(first[k].shape[1]) for k in ("input_ids", "labels")}
+        lengths = (f"{self.batch_tokens['input_ids']} tokens" if self.task == CAUSAL
+                   else f"{self.batch_tokens['input_ids']} input + {self.batch_tokens['labels']} target tokens")
+        where = f"the longest examples of {cfg.data}" if self.data is not None else "every sequence at the maximum"
+        say(f"worst-case batch: {where} ({lengths} each)")
+        if device != "cuda":
+            say("on the CPU: peak GPU memory is not measurable (recorded as None) and nothing runs out of "
+                "memory the way a GPU does; use a GPU for a real answer")
+
+    # -- setup ------------------------------------------------------------------------------------
+    def _build(self) -> None:
+        cfg = self.cfg
+        start = time.perf_counter()
+        self.model = build_random_model(self.config, self.device, DTYPES[cfg.precision], cfg.seed)
+        if cfg.activation_checkpointing:
+            enable_activation_checkpointing(self.model)
+        if self.on_model is not None:
+            self.on_model(self.model)
+        self.n_params = sum(p.numel() for p in self.model.parameters())
+        self.build_s = time.perf_counter() - start
+        if self.engine is None:
+            ckpt = "activation checkpointing" if cfg.activation_checkpointing else "no activation checkpointing"
+            self.say(f"built {cfg.model} from its config with random weights ({self.n_params / 1e6:,.1f}M params, "
+                     f"{cfg.precision}, {ckpt}) in {self.build_s:.1f} s; starting the DeepSpeed ZeRO-2 engine "
+                     f"(optimizer on {'the CPU' if cfg.offload == 'cpu' else 'the GPU'})")
+        torch.manual_seed(cfg.seed)  # dropout masks, as in training
+        self.engine = Engine(self.model, self.ds_config)
+        self.engine.ds.train()
+        self.init_s += self.engine.init_s
+        self.say(f"engine ready in {self.engine.init_s:.1f} s")
+
+    def _worst_case_source(self) -> tuple[Dataset | None, int]:
+        """With a data file: its examples (the probe takes the longest). Else None: every sequence at the max."""
+        cfg, config = self.cfg, self.config
+        if cfg.data in NAMED_SOURCES:
+            return None, config.pad_token_id if config.pad_token_id is not None else 0
+        tokenizer = load_tokenizer(cfg.model, config)
+        return load_dataset(cfg, self.task, tokenizer, config.vocab_size), tokenizer.pad_token_id
+
+    # -- a trial ----------------------------------------------------------------------------------
+    def try_size(self, size: int, steps: int) -> TrialResult:
+        """`steps` full steps at micro-batch `size`: peak GPU memory (reset before), median step time."""
+        try:
+            return self._proven(self._run(size, steps))
+        except AssertionError as exc:
+            if not (self._reset_unproven and "computed twice" in str(exc)):
+                raise
+        # reset_after_oom did not restore ZeRO-2's bookkeeping (another DeepSpeed version?): start over
+        self.say("ZeRO-2 reports 'Gradient computed twice for this partition' after the engine reset: rebuilding "
+                 f"the engine, trying {size} again")
+        self._rebuild()
+        return self._proven(self._run(size, steps))
+
+    def _proven(self, result: TrialResult) -> TrialResult:
+        if result.fits:
+            self._reset_unproven = False
+        return result
+
+    def _run(self, size: int, steps: int) -> TrialResult:
+        engine = self.engine
+        batch = worst_case_batch(self.task, size, self.cfg, self.config.vocab_size, self.pad_id, self.data)
+        memory.reset_gpu_peak()  # a fitting trial leaves nothing behind; a failed one was cleaned up after it
+        skipped_before = engine.skipped_steps
+        times: list[float] = []
+        phase, failed = "forward", None
+        loss = None
+        try:
+            batch = {k: v.to(engine.device) for k, v in batch.items()}  # the batch's memory counts too
+            for _ in range(steps):
+                self._sync()
+                start = time.perf_counter()
+                phase = "forward"
+                loss = engine.forward(batch)
+                phase = "backward"
+                engine.backward(loss)
+                loss = None
+                phase = "step"
+                engine.step()  # the first one allocates the optimizer states
+                self._sync()
+                times.append(time.perf_counter() - start)
+        except Exception as exc:
+            if not memory.is_oom_error(exc):
+                raise
+            failed = phase
+        # out of the except block: the traceback, and the activations its frames held, are gone
+        loss = batch = None
+        if failed is not None:
+            if failed != "forward":  # ZeRO-2's gradient bookkeeping is half-done: reset it
+                self._reset()
+            memory.free_memory()
+            return TrialResult(size, fits=False, oom_phase=failed, steps=len(times))
+        skipped = engine.skipped_steps - skipped_before
+        if skipped:
+            self.skipped_steps += skipped
+            self.say(f"{size}: {skipped} of {steps} optimizer steps skipped (fp16 overflow): their time leaves "
+                     "out the optimizer")
+        peak = memory.gpu_peak_bytes() if self.device == "cuda" else None
+        return TrialResult(size, fits=True, peak_gpu_bytes=peak, step_s=statistics.median(times), steps=steps)
+
+    def _reset(self) -> None:
+        try:
+            self.engine.reset_after_oom()
+            self._reset_unproven = True
+        except Exception as exc:  # noqa: BLE001 - any failure here means: start over with a fresh engine
+            self.say(f"resetting the engine after an OOM failed ({type(exc).__name__}: {exc}); rebuilding it")
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        self._close_engine()
+        self.rebuilds += 1
+        self._build()
+        self._reset_unproven = False
+
+    def _sync(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+
+    # -- reporting and teardown -------------------------------------------------------------------
+    def meta(self) -> dict[str, Any]:
+        import deepspeed
+        import transformers
+
+        import fitone
+
+        cfg = self.cfg
+        lengths = ({"seq_len": cfg.seq_len} if self.task == CAUSAL else {"src_len": cfg.src_len, "tgt_len": cfg.tgt_len})
+        return {
+            "model": cfg.model, "from_scratch": cfg.from_scratch, "task": self.task, "params": self.n_params,
+            **lengths, "batch_input_tokens": self.batch_tokens["input_ids"],
+            "batch_target_tokens": None if self.task == CAUSAL else self.batch_tokens["labels"],
+            "data": cfg.data, "worst_case": "longest examples" if self.data is not None else "maximum lengths",
+            "precision": cfg.precision, "activation_checkpointing": cfg.activation_checkpointing,
+            "offload": cfg.offload, "ds_config": cfg.ds_config, "device": self.device, "gpu": memory.gpu_name(),
+            "max_gpu_memory": cfg.max_gpu_memory, "gpu_total_bytes": memory.gpu_total_bytes(), "world_size": 1,
+            "engine_init_s": self.init_s, "model_build_s": self.build_s,
+            "engine_rebuilds": self.rebuilds, "skipped_steps": self.skipped_steps,
+            "peak_measured": self.device == "cuda",
+            "versions": {"fitone": fitone.__version__, "deepspeed": deepspeed.__version__,
+                         "torch": torch.__version__, "transformers": transformers.__version__},
+            "date": dt.datetime.now().isoformat(timespec="seconds"),
+        }
+
+    def _close_engine(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+        self.engine = None
+        self.model = None
+
+    def close(self) -> None:
+        """Free the model, the engine and their GPU and host memory (training may load its model next)."""
+        self._close_engine()
+        memory.free_memory()
+
+
+def build_random_model(config, device: str, dtype: torch.dtype, seed: int) -> torch.nn.Module:
+    """The architecture of `config` with seeded random weights, made on `device` in `dtype`.
+
+    Built on the meta device, then each parameter (tied ones once) is allocated where DeepSpeed will
+    keep it and filled there: N(0, initializer_range) for matrices, 1 for norm weights, 0 for biases.
+    """
+    model = build_model(config, meta=True)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    std = float(getattr(config, "initializer_range", 0.02) or 0.02)
+    made: dict[int, torch.nn.Parameter] = {}
+    with torch.no_grad():
+        for module in model.modules():
+            for name, param in list(module._parameters.items()):
+                if param is None:
+                    continue
+                if id(param) not in made:
+                    data = torch.empty(param.shape, dtype=dtype, device=device)
+                    if data.dim() >= 2:
+                        data.normal_(0.0, std, generator=generator)
+                    else:
+                        data.fill_(0.0 if name == "bias" else 1.0)
+                    made[id(param)] = torch.nn.Parameter(data, requires_grad=param.requires_grad)
+                module._parameters[name] = made[id(param)]
+    return model.to(device)  # buffers (init_empty_weights leaves them real, on the CPU)
+
+
+def probe_ds_config(cfg: TrainConfig, device: str) -> dict[str, Any]:
+    """Training's DeepSpeed config, with accumulation 1 so every step is an optimizer step.
+
+    DeepSpeed fixes the micro-batch at init but takes any batch shape in forward, so one engine built
+    for micro-batch 1 serves every size.
+    """
+    ds = build_ds_config(cfg.replace(global_batch=None, grad_accum=None), micro_batch=1,
+                         on_gpu=device == "cuda")
+    ds.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1, train_batch_size=1)
+    if "fp16" in ds:
+        ds["fp16"] = {**ds["fp16"], "initial_scale_power": PROBE_LOSS_SCALE_POWER}
+    return ds
+
+
+# ================================================================================================
+# the saved results
+# ================================================================================================
+
+def cache_dir() -> Path:
+    """~/.cache/fitone/probes, or $FITONE_CACHE_DIR/probes."""
+    root = os.environ.get("FITONE_CACHE_DIR") or Path.home() / ".cache" / "fitone"
+    return Path(root) / "probes"
+
+
+def probe_key(cfg: TrainConfig, config, device: str, world_size: int = 1) -> dict[str, Any]:
+    """Everything that decides how much memory a step takes (the weights' values do not)."""
+    import deepspeed
+
+    import fitone
+
+    values = {k: v for k, v in config.to_dict().items() if not k.startswith("_") and k != "transformers_version"}
+    lengths = {"seq_len": cfg.seq_len} if task_of(config) == CAUSAL else {"src_len": cfg.src_len, "tgt_len": cfg.tgt_len}
+    key: dict[str, Any] = {
+        "model_config": _digest(json.dumps(values, sort_keys=True, default=str)),
+        "precision": cfg.precision, "activation_checkpointing": cfg.activation_checkpointing,
+        "offload": cfg.offload, **lengths, "data": _data_key(cfg),
+        "ds_config": _digest(Path(cfg.ds_config).read_bytes()) if cfg.ds_config else None,
+        "device": device, "gpu": memory.gpu_name(), "max_gpu_memory_bytes": cfg.max_gpu_memory_bytes,
+        "world_size": world_size, "fitone": fitone.__version__, "deepspeed": deepspeed.__version__,
+    }
+    return key
+
+
+def _data_key(cfg: TrainConfig) -> Any:
+    if cfg.data in NAMED_SOURCES:
+        return "maximum lengths"
+    path = Path(cfg.data)
+    stat = path.stat() if path.exists() else None
+    return {"path": str(path.resolve()), "mtime_ns": stat.st_mtime_ns if stat else None,
+            "size": stat.st_size if stat else None,
+            "fields": [cfg.source_field, cfg.target_field, cfg.text_field]}
+
+
+def _digest(data: str | bytes) -> str:
+    return hashlib.sha256(data.encode() if isinstance(data, str) else data).hexdigest()[:16]
+
+
+def cache_path(key: dict[str, Any]) -> Path:
+    return cache_dir() / f"{_digest(json.dumps(key, sort_keys=True))}.json"
+
+
+def read_cached(key: dict[str, Any], search: dict[str, Any] | None = None) -> ProbeResult | None:
+    """The saved result for `key` (and these search settings, when given); None if there is none."""
+    path = cache_path(key)
+    try:
+        entry = json.loads(path.read_text())
+        if entry["key"] != key or (search is not None and entry["search"] != search):
+            return None
+        result = ProbeResult.from_dict(entry["result"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # unreadable or from another layout: measure again, and overwrite it
+    result.meta["cache_file"] = str(path)
+    return result
+
+
+def save_cached(key: dict[str, Any], search: dict[str, Any], result: ProbeResult) -> Path:
+    path = cache_path(key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps({"key": key, "search": search, "result": result.to_dict()}, indent=2) + "\n")
+    tmp.replace(path)
+    return path
+
+
+# ================================================================================================
+# helpers
+# ================================================================================================
+
+def _check_positions(cfg: TrainConfig, config) -> None:
+    """A causal LM's --seq-len beyond its position table fails deep in forward (a device assert on a GPU)."""
+    from fitone.train import _position_limit
+
+    limit = _position_limit(config)
+    if task_of(config) == CAUSAL and limit is not None and cfg.seq_len > limit:
+        raise ConfigError(f"--seq-len {cfg.seq_len} is beyond {cfg.model}'s {limit} positions: use --seq-len {limit} "
+                          "or less")
+
+
+def _measured(result: ProbeResult) -> str:
+    m = result.meta
+    lengths = f"seq {m['seq_len']}" if "seq_len" in m else f"src/tgt {m.get('src_len')}/{m.get('tgt_len')}"
+    cap = f", cap {m['max_gpu_memory']}" if m.get("max_gpu_memory") else ""
+    check = "verified" if result.verified else "not verified"
+    return (f"batch_size {result.chosen} = largest fit {result.largest_fit} less a {result.margin * 100:g}% "
+            f"margin ({check}); {m.get('model')} {m.get('precision')}, {lengths}, "
+            f"{'activation checkpointing' if m.get('activation_checkpointing') else 'no checkpointing'}, "
+            f"on {m.get('gpu')}{cap} ({m.get('date', '')[:10]})")
+
+
+def _recipe_values(meta: dict[str, Any]) -> dict[str, Any]:
+    names = ("model", "from_scratch", "data", "src_len", "tgt_len", "seq_len", "precision",
+             "activation_checkpointing", "offload", "max_gpu_memory", "device")
+    return {k: meta[k] for k in names if meta.get(k) is not None}
+
+
+def _yaml_scalar(value: Any) -> str:
+    import yaml
+
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()
+

@@ -1,0 +1,346 @@
+"""probe-batch on real DeepSpeed ZeRO-2 + CPU-offload engines: the tiny T5 on the CPU.
+
+A CPU cannot run out of memory the way a GPU does (it swaps, or the kernel kills the process), so these
+tests FAKE THE GPU'S OUT-OF-MEMORY ERROR: a hook on the model raises torch.OutOfMemoryError (what PyTorch
+raises when CUDA runs out) once a batch passes a token budget, either in forward or, through a tensor hook,
+in the middle of backward. Everything else is real: model, engine, steps, the ZeRO-2 state an interrupted
+backward leaves behind, the cache, the CLI and `fitone.train`.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import importlib
+import json
+import math
+import weakref
+
+import pytest
+import torch
+import yaml
+
+import fitone
+from conftest import cpu_config
+from fitone import probe_run
+from fitone.cli import main
+from fitone.data import worst_case_batch
+from fitone.engine import Engine
+from fitone.errors import MemoryBudgetError
+from fitone.models import build_model, load_config
+from fitone.probe import ProbeResult, TrialResult, search_batch_size
+from fitone.probe_run import ProbeSession, prepare, probe_batch, probe_key, read_cached, save_cached
+
+SRC_LEN = TGT_LEN = 8
+
+
+def quiet(_line: str) -> None:
+    pass
+
+
+def probe_config(**overrides):
+    return cpu_config(src_len=SRC_LEN, tgt_len=TGT_LEN, **overrides)
+
+
+@pytest.fixture(autouse=True)
+def cache_root(tmp_path, monkeypatch):
+    """Every test saves its probes in its own folder, never in ~/.cache."""
+    root = tmp_path / "fitone-cache"
+    monkeypatch.setenv("FITONE_CACHE_DIR", str(root))
+    return root / "probes"
+
+
+class Budget:
+    """The faked GPU: out of memory once the first decoder block sees more than `limit` samples of TGT_LEN tokens.
+
+    phase "forward" raises in that block's forward; "backward" raises when that block's output gradient
+    arrives, i.e. mid-backward, after the layers above it have handed their gradients to ZeRO-2.
+    `error` replaces the OOM by another exception (to check that it is not taken for an OOM).
+    """
+
+    def __init__(self, limit: int, phase: str = "forward", error: type[Exception] = torch.OutOfMemoryError):
+        self.limit, self.phase, self.error = limit, phase, error
+        self.model_ref = None
+
+    def __call__(self, model: torch.nn.Module) -> None:  # probe_batch's on_model
+        self.model_ref = weakref.ref(model)
+        model.decoder.block[0].register_forward_hook(self._forward)
+
+    def _forward(self, _module, _args, output) -> None:
+        hidden = output[0] if isinstance(output, tuple) else output
+        tokens = hidden.shape[0] * hidden.shape[1]
+        if tokens <= self.limit * TGT_LEN:
+            return
+        if self.phase == "forward":
+            raise self._fail(tokens)
+        if hidden.requires_grad:
+            def out_of_memory_in_backward(_grad):
+                raise self._fail(tokens)
+
+            hidden.register_hook(out_of_memory_in_backward)
+
+    def _fail(self, tokens: int) -> Exception:
+        return self.error(f"CUDA out of memory. Tried to allocate 2.00 MiB (faked: {tokens} tokens > "
+                          f"{self.limit * TGT_LEN})")
+
+    @property
+    def model_freed(self) -> bool:
+        return self.model_ref is not None and self.model_ref() is None
+
+
+def sizes(result: ProbeResult) -> list[int]:
+    return [t.batch_size for t in result.trials]
+
+
+# -- the search on a real engine ------------------------------------------------------------------
+def test_forward_oom_search_tries_these_sizes_then_backs_off_by_the_margin(cache_root):
+    budget = Budget(limit=5, phase="forward")
+    lines: list[str] = []
+    result = probe_batch(probe_config(), verify_steps=2, say=lines.append, on_model=budget)
+    # double to the first OOM (8), bisect 4..8 down to granularity 1, choose floor(5 x 0.95) = 4, verify it
+    assert sizes(result) == [1, 2, 4, 8, 6, 5, 4]
+    assert [t.fits for t in result.trials] == [True, True, True, False, False, True, True]
+    assert {t.oom_phase for t in result.trials if not t.fits} == {"forward"}
+    assert result.largest_fit == 5 and result.smallest_oom == 6
+    assert result.chosen == math.floor(5 * (1 - 0.05)) == 4 and result.margin == 0.05
+    assert result.verified and result.trials[-1].steps == 2 and result.trials[-1].purpose == "verify"
+    assert "8 out of memory in forward; bisecting 4..8: trying 6" in lines
+    # every trial really ran on the CPU: timed, but no GPU peak to read
+    assert all(t.step_s > 0 and t.peak_gpu_bytes is None for t in result.trials if t.fits)
+    assert any("peak GPU memory is not measurable" in line for line in lines)
+    meta = result.meta
+    assert meta["model"] == "t5-tiny" and meta["precision"] == "fp32" and meta["activation_checkpointing"]
+    assert (meta["src_len"], meta["tgt_len"]) == (SRC_LEN, TGT_LEN) and meta["worst_case"] == "maximum lengths"
+    assert (meta["batch_input_tokens"], meta["batch_target_tokens"]) == (SRC_LEN, TGT_LEN)
+    built = build_model(load_config("t5-tiny", from_scratch=True))
+    assert meta["params"] == sum(p.numel() for p in built.parameters())
+    assert meta["gpu"] == "cpu" and meta["engine_rebuilds"] == 0
+    assert set(meta["versions"]) == {"fitone", "deepspeed", "torch", "transformers"}
+    assert result.wall_s >= meta["engine_init_s"] + meta["search_s"]  # engine init counts
+    assert budget.model_freed  # the probe's model and engine are gone once it returns
+    assert [p.name for p in cache_root.iterdir()] == [meta["cache_file"].rsplit("/", 1)[-1]]
+
+
+def test_backward_oom_is_reset_and_later_steps_match_a_fresh_engine(tmp_path):
+    # small gradient buckets, so that ZeRO-2 reduces (and marks as reduced) layers mid-backward, as on big models
+    ds_file = tmp_path / "small-buckets.json"
+    ds_file.write_text(json.dumps({"zero_optimization": {"reduce_bucket_size": 20000}}))
+    cfg = probe_config(ds_config=str(ds_file))
+    device, _ = prepare(cfg)
+    config = load_config("t5-tiny", from_scratch=True)
+    fixed = worst_case_batch("seq2seq", 2, cfg, config.vocab_size, 0)
+
+    def train_on(engine: Engine) -> tuple[list[float], dict[str, torch.Tensor]]:
+        losses = []
+        for _ in range(2):
+            loss = engine.forward(fixed)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        return losses, {k: v.clone() for k, v in engine.module.state_dict().items()}
+
+    probed = ProbeSession(cfg, config, device, say=quiet, on_model=Budget(limit=2, phase="backward"))
+    try:
+        result = search_batch_size(probed.try_size, verify_steps=1, log=quiet)
+        assert probed.rebuilds == 0  # the reset held: no new engine
+        after_probe = train_on(probed.engine)
+    finally:
+        probed.close()
+    assert sizes(result) == [1, 2, 4, 3, 1]
+    assert [t.oom_phase for t in result.trials if not t.fits] == ["backward", "backward"]
+
+    fresh = ProbeSession(cfg, config, device, say=quiet)  # same seed: the same initial weights
+    try:
+        for trial in result.trials:  # the same training steps, without the interrupted backwards
+            if trial.fits:
+                fresh.try_size(trial.batch_size, trial.steps)
+        expected = train_on(fresh.engine)
+    finally:
+        fresh.close()
+    assert after_probe[0] == expected[0]
+    assert all(torch.equal(after_probe[1][k], expected[1][k]) for k in expected[1])
+
+
+def test_without_the_reset_zero2_breaks_and_the_engine_is_rebuilt(monkeypatch):
+    """Proves the reset is needed (the next backward fails) and that the probe survives by rebuilding."""
+    monkeypatch.setattr(Engine, "reset_after_oom", lambda self: None)
+    lines: list[str] = []
+    result = probe_batch(probe_config(), verify_steps=1, say=lines.append, on_model=Budget(limit=1, phase="backward"))
+    assert sizes(result) == [1, 2, 1] and result.verified
+    assert result.meta["engine_rebuilds"] == 1
+    assert any("Gradient computed twice" in line and "rebuilding the engine, trying 1 again" in line
+               for line in lines)
+
+
+def test_a_non_oom_error_is_raised_and_the_engine_closed(monkeypatch):
+    closed = []
+    real_close = Engine.close
+    monkeypatch.setattr(Engine, "close", lambda self: (closed.append(self), real_close(self)))
+    budget = Budget(limit=2, phase="forward", error=ValueError)
+    with pytest.raises(ValueError, match="faked"):
+        probe_batch(probe_config(), say=quiet, on_model=budget)
+    assert len(closed) == 1
+    gc.collect()  # the traceback's frames held the model until the exception went
+    assert budget.model_freed
+
+
+def test_size_one_out_of_memory_names_what_to_change():
+    with pytest.raises(MemoryBudgetError) as info:
+        probe_batch(probe_config(), say=quiet, on_model=Budget(limit=0, phase="forward"))
+    message = str(info.value)
+    assert "\n" not in message
+    for fix in ("batch size 1", "in forward", "--src-len", "--tgt-len", "--max-gpu-memory", "fitone plan"):
+        assert fix in message
+
+
+# -- the CLI ---------------------------------------------------------------------------------------
+def test_cli_probes_the_longest_examples_writes_json_plot_and_recipe(tmp_path, capsys):
+    data = tmp_path / "pairs.jsonl"
+    # sources up to 40 bytes (clipped to --src-len 16), targets of 2 bytes + end-of-sequence
+    data.write_text("".join(json.dumps({"source": "s" * n, "target": "ab"}) + "\n" for n in (3, 40, 7, 12)))
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("# my recipe\n#   fitone train --recipe mine.yaml\nmodel: t5-tiny\nfrom_scratch: true\n"
+                      "batch_size: 32  # per GPU\nprecision: fp32\n")
+    out_json, out_png = tmp_path / "probe.json", tmp_path / "probe.png"
+    argv = ["probe-batch", "--model", "t5-tiny", "--from-scratch", "--device", "cpu", "--precision", "fp32",
+            "--data", str(data), "--src-len", "16", "--tgt-len", "8", "--max-batch", "4", "--verify-steps", "1",
+            "--global-batch", "6", "--json", str(out_json), "--plot", str(out_png), "--save", str(recipe)]
+    assert main(argv) == 0
+    shown = capsys.readouterr().out
+    assert "2 fits: " in shown and "reached max_batch=4" in shown  # decisions as they are made
+    assert "chosen: 3 (5% margin, verified)" in shown  # the table
+    assert "for --global-batch 6: --batch-size 3 with 2 accumulation steps" in shown
+
+    saved = json.loads(out_json.read_text())
+    assert [t["batch_size"] for t in saved["trials"]] == [1, 2, 4, 3] and saved["chosen"] == 3
+    assert saved["meta"]["worst_case"] == "longest examples"
+    assert (saved["meta"]["batch_input_tokens"], saved["meta"]["batch_target_tokens"]) == (16, 3)
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    text = recipe.read_text()
+    assert text.startswith("# my recipe\n#   fitone train --recipe mine.yaml\n# probe-batch: batch_size 3 = ")
+    assert "batch_size: 3  # per GPU\n" in text
+    assert fitone.load_recipe(str(recipe)).values == {"model": "t5-tiny", "from_scratch": True, "batch_size": 3,
+                                                      "precision": "fp32"}
+
+    assert main(argv[:-2]) == 0  # the same probe again: the saved result, no engine
+    assert "reusing the probe saved" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flags, fix", [
+    (["--src-len", "0"], "--src-len"),
+    (["--max-batch", "0"], "--max-batch"),
+    (["--margin", "0.5"], "--margin"),
+    (["--margin", "-0.1"], "--margin"),
+    (["--max-gpu-memory", "lots"], "--max-gpu-memory"),
+    (["--max-gpu-memory", "23GiB"], "--max-gpu-memory"),  # a cap, but this run is on the CPU
+    (["--model", "gpt2-tiny", "--seq-len", "1000"], "--seq-len 512"),  # beyond its 512 positions
+])
+def test_bad_input_is_one_line_naming_the_fix_and_exit_2(flags, fix, capsys):
+    argv = ["probe-batch", "--model", "t5-tiny", "--from-scratch", "--device", "cpu", "--precision", "fp32", *flags]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fitone: error: ") and "\n" not in err and fix in err, err
+
+
+def test_a_cap_larger_than_the_gpu_is_refused(monkeypatch, capsys):
+    """Fakes a 24 GiB GPU (this machine has none): device, distributed setup and the GPU's size."""
+    from fitone import memory
+    from fitone.engine import DistInfo
+
+    monkeypatch.setattr(probe_run, "resolve_device", lambda cfg: "cuda")
+    monkeypatch.setattr(probe_run, "init_distributed", lambda device: DistInfo(0, 0, 1))
+    monkeypatch.setattr(memory, "gpu_total_bytes", lambda device=None: 24 * 1024**3)
+    argv = ["probe-batch", "--model", "t5-tiny", "--from-scratch", "--max-gpu-memory", "80GiB"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "80GiB" in err and "larger than the GPU's 24.0 GiB" in err and "smaller cap" in err
+
+
+# -- --batch-size auto ----------------------------------------------------------------------------
+def test_batch_size_auto_reuses_a_saved_probe_without_building_an_engine(monkeypatch, capsys):
+    cfg = probe_config(batch_size="auto", global_batch=12, max_steps=2)
+    saved = ProbeResult(trials=[TrialResult(5, fits=True, step_s=1.0, steps=3, purpose="verify")], largest_fit=5,
+                        chosen=5, margin=0.05, granularity=1, verified=True, best_throughput=5, cap_bytes=None,
+                        wall_s=60.0, meta={"model": "t5-tiny", "date": "2026-11-29T12:00:00"})
+    save_cached(probe_key(cfg, load_config("t5-tiny", from_scratch=True), "cpu"), {"max_batch": 64}, saved)
+
+    def no_probe(*_args, **_kwargs):
+        raise AssertionError("the saved probe should have been used")
+
+    monkeypatch.setattr(probe_run, "ProbeSession", no_probe)
+    result = fitone.train(cfg)
+    assert (result.micro_batch, result.grad_accum) == (4, 3)  # 12 = 4 x 3: the largest divisor <= 5
+    assert result.steps == 2
+    shown = capsys.readouterr().out
+    assert "reusing the probe saved 2026-11-29T12:00:00" in shown
+    assert "micro-batch 4 x 3 accumulation steps = --global-batch 12" in shown
+
+
+def test_batch_size_auto_probes_frees_the_probe_then_trains_the_found_size(monkeypatch, cache_root, capsys):
+    budget = Budget(limit=3, phase="forward")
+    monkeypatch.setattr(probe_run, "probe_batch", functools.partial(probe_batch, on_model=budget, verify_steps=1))
+    train_module = importlib.import_module("fitone.train")  # `fitone.train` is also the function
+
+    loaded_after_probe = []
+
+    def load_model(*args, **kwargs):
+        loaded_after_probe.append(budget.model_freed)  # the probe's model must be gone by now
+        return real_load_model(*args, **kwargs)
+
+    real_load_model = train_module.load_model
+    monkeypatch.setattr(train_module, "load_model", load_model)
+    cfg = probe_config(batch_size="auto", max_steps=2)
+    result = fitone.train(cfg)
+    assert result.micro_batch == 2 and result.steps == 2  # 1, 2, 4 (OOM), 3: floor(3 x 0.95) = 2
+    assert loaded_after_probe == [True]
+    assert "no saved probe for this model" in capsys.readouterr().out
+    key = probe_key(cfg, load_config("t5-tiny", from_scratch=True), "cpu")
+    assert read_cached(key).chosen == 2  # saved: the next run reuses it
+
+
+# -- the saved results -----------------------------------------------------------------------------
+def test_cache_key_follows_what_decides_memory(tmp_path):
+    config = load_config("t5-tiny", from_scratch=True)
+    base = probe_config()
+    key = probe_key(base, config, "cpu")
+    for change in ({"precision": "bf16"}, {"src_len": 16}, {"tgt_len": 16}, {"activation_checkpointing": False},
+                   {"offload": "none"}):
+        assert probe_key(base.replace(**change), config, "cpu") != key, change
+    for same in ({"lr": 0.5}, {"seed": 7}, {"batch_size": 64}, {"seq_len": 64}, {"data": "synthetic"}):
+        assert probe_key(base.replace(**same), config, "cpu") == key, same  # seq_len: not a T5's length
+    other = load_config("t5-small", from_scratch=True)
+    assert probe_key(base, other, "cpu") != key
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"source": "a", "target": "b"}\n')
+    with_data = probe_key(base.replace(data=str(data)), config, "cpu")
+    assert with_data != key
+    data.write_text('{"source": "a longer one", "target": "b"}\n')
+    assert probe_key(base.replace(data=str(data)), config, "cpu") != with_data  # edited file: measure again
+
+
+def test_saved_result_is_reused_only_for_the_same_search_settings():
+    key = probe_key(probe_config(), load_config("t5-tiny", from_scratch=True), "cpu")
+    result = search_batch_size(lambda size, steps: TrialResult(size, fits=size <= 10, step_s=1.0, steps=steps),
+                               log=quiet)
+    search = {"max_batch": 4096, "max_trials": 16, "margin": 0.05, "verify_steps": 3}
+    path = save_cached(key, search, result)
+    assert read_cached(key, search).chosen == result.chosen == 9
+    assert read_cached(key, {**search, "margin": 0.1}) is None
+    assert read_cached(key).meta["cache_file"] == str(path)  # --batch-size auto takes any settings
+    path.write_text("{not json")
+    assert read_cached(key) is None  # a damaged file is measured again, not an error
+
+
+def test_save_to_a_new_recipe_writes_the_probed_settings(tmp_path):
+    result = search_batch_size(lambda size, steps: TrialResult(size, fits=size <= 20, steps=steps), log=quiet)
+    result.meta.update(model="t5-3b", from_scratch=True, data="synthetic", src_len=128, tgt_len=128,
+                       precision="fp16", activation_checkpointing=True, offload="cpu", max_gpu_memory="23GiB",
+                       device="cuda", gpu="NVIDIA H200", date="2026-11-29T12:00:00")
+    path = probe_run.save_to_recipe(result, tmp_path / "t5-3b.yaml")
+    lines = path.read_text().splitlines()
+    assert lines[0].startswith("# probe-batch: batch_size 19 = largest fit 20 less a 5% margin (verified); "
+                               "t5-3b fp16, src/tgt 128/128")
+    values = yaml.safe_load(path.read_text())
+    assert values["batch_size"] == 19 and values["max_gpu_memory"] == "23GiB"
+    assert fitone.TrainConfig.from_dict(values).batch_size == 19
