@@ -6,9 +6,10 @@ Found by globbing the folder (no hand-kept registry). In a source checkout that 
 
 from __future__ import annotations
 
+import difflib
 import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -46,13 +47,33 @@ class Recipe:
 
     @property
     def measured(self) -> str | None:
-        """'micro-batch 20, 4.5 samples/s' from the header's `# Measured:` line; None when not measured."""
-        line = next((ln for ln in self.header.splitlines() if ln.lstrip("# ").lower().startswith("measured:")), "")
-        batch = re.search(r"micro-batch (\d+)", line)
-        speed = re.search(r"([\d.]+) samples/s", line)
-        if not (batch and speed):
-            return None
-        return f"micro-batch {batch.group(1)}, {speed.group(1)} samples/s"
+        """'micro-batch 20, 4.5 samples/s' from the header's `# Measured:` line (copied from bench/results/),
+        else 'probed: batch_size 30 on GPU' from a `# probe-batch:` line (`fitone probe-batch --save`);
+        None when neither holds numbers."""
+        measured = self._header_line("measured:")
+        batch = re.search(r"micro-batch (\d+)", measured)
+        speed = re.search(r"([\d.]+) samples/s", measured)
+        if batch and speed:
+            return f"micro-batch {batch.group(1)}, {speed.group(1)} samples/s"
+        probed = self._header_line("probe-batch:")
+        size = re.search(r"batch_size (\d+)", probed)
+        if size:
+            where = re.search(r" on (.+)$", probed)
+            return f"probed: batch_size {size.group(1)}" + (f" on {where.group(1)}" if where else "")
+        return None
+
+    def _header_line(self, label: str) -> str:
+        """The header line starting with `label`, joined with its indented continuation lines."""
+        lines = self.header.splitlines()
+        for i, line in enumerate(lines):
+            if line.lstrip("# ").lower().startswith(label):
+                more = []
+                for follow in lines[i + 1:]:
+                    if not follow.startswith("#   ") or follow.startswith("#   fitone "):
+                        break
+                    more.append(follow[4:])
+                return " ".join([line, *more])
+        return ""
 
     def config(self, **overrides: Any) -> TrainConfig:
         """The recipe's values with `overrides` on top (a key=value or a flag beats the file)."""
@@ -71,19 +92,20 @@ def load_recipe(name: str) -> Recipe:
     """A recipe by name ('t5-3b/24gb') or by path to a YAML file (a copied and edited one)."""
     path = Path(name)
     if path.suffix in (".yaml", ".yml") and path.is_file():
-        return _read(path)
+        return _read(path, name=str(path))
     candidate = recipe_dir() / f"{name.removesuffix('.yaml')}.yaml"
-    if not candidate.is_file():
-        import difflib
+    if candidate.is_file():
+        return _read(candidate)
+    names = recipe_names()
+    if path.suffix in (".yaml", ".yml") and name.removesuffix(".yaml") not in names:
+        raise ConfigError(f"recipe file {name} does not exist: give a YAML path, or a built-in name "
+                          f"(`fitone recipes` lists them)")
+    near = difflib.get_close_matches(name, names, n=1)
+    hint = f"did you mean {near[0]!r}?" if near else f"available: {', '.join(names)}"
+    raise ConfigError(f"no recipe named {name!r}: {hint} (`fitone recipes` lists them)")
 
-        names = recipe_names()
-        near = difflib.get_close_matches(name, names, n=1)
-        hint = f"did you mean {near[0]!r}?" if near else f"available: {', '.join(names)}"
-        raise ConfigError(f"no recipe named {name!r}: {hint} (`fitone recipes` lists them)")
-    return _read(candidate)
 
-
-def _read(path: Path) -> Recipe:
+def _read(path: Path, name: str | None = None) -> Recipe:
     text = path.read_text()
     try:
         values = yaml.safe_load(text) or {}
@@ -91,20 +113,22 @@ def _read(path: Path) -> Recipe:
         raise ConfigError(f"recipe {path} is not valid YAML ({exc}); fix the file") from exc
     if not isinstance(values, dict):
         raise ConfigError(f"recipe {path} must be a mapping of train options (key: value)")
-    name = f"{path.parent.name}/{path.stem}"
+    name = name or f"{path.parent.name}/{path.stem}"
     check_keys(values, TrainConfig.field_names(), f"recipe {name}")
     header = "\n".join(line for line in text.splitlines() if line.startswith("#"))
-    return Recipe(name=name, path=path, values=values, header=header)
+    return Recipe(name=name, path=path, values=_numbers(values), header=header)
 
 
 def copy_recipe(name: str, dest: str | Path) -> Path:
-    """Copy a recipe out to edit; never overwrites."""
+    """Copy a recipe out to edit (then `fitone train --recipe FILE`); never overwrites."""
     recipe = load_recipe(name)
     dest = Path(dest)
     if dest.is_dir():
         dest = dest / f"{recipe.path.parent.name}-{recipe.path.name}"
     if dest.exists():
-        raise ConfigError(f"{dest} already exists: choose another destination")
+        raise ConfigError(f"{dest} already exists: choose another destination (copy never overwrites)")
+    if not dest.parent.is_dir():
+        raise ConfigError(f"no directory {dest.parent} to copy into: create it or choose another destination")
     shutil.copyfile(recipe.path, dest)
     return dest
 
@@ -120,4 +144,24 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
             out[key.strip().replace("-", "_")] = yaml.safe_load(raw) if raw else None
         except yaml.YAMLError:
             out[key.strip().replace("-", "_")] = raw
+    return _numbers(out)
+
+
+# What YAML 1.1 (PyYAML) leaves as a string although a user means a number: 1e-4, 3E+5, 2.5e3.
+_EXPONENT_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+def _numbers(values: dict[str, Any]) -> dict[str, Any]:
+    """Read `lr: 1e-4` as 0.0001 (not the string '1e-4') for the TrainConfig fields that hold numbers."""
+    kinds = {f.name: str(f.type) for f in fields(TrainConfig)}
+    out = {}
+    for key, value in values.items():
+        kind = kinds.get(key.replace("-", "_"), "")
+        if isinstance(value, str) and _EXPONENT_NUMBER.fullmatch(value.strip()):
+            number = float(value)
+            if kind.startswith("float"):
+                value = number
+            elif kind.startswith("int") and number.is_integer():
+                value = int(number)
+        out[key] = value
     return out

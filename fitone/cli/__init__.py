@@ -15,7 +15,10 @@ from fitone.errors import FitoneError
 # command name -> module under fitone.cli
 COMMANDS = {
     "train": "train",
+    "probe-batch": "probe",
     "plan": "plan",
+    "recipes": "recipes",
+    "report": "report",
 }
 
 

@@ -1,0 +1,320 @@
+"""Pictures and a summary of a run, from its `metrics.jsonl`: what `fitone report RUN_DIR` writes.
+
+Figures are drawn on `matplotlib.figure.Figure` with the Agg canvas, never through pyplot, so a
+notebook's own backend and open figures are left alone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from fitone.config import gib, parse_size
+from fitone.errors import ConfigError, DataError
+from fitone.metrics import read_metrics
+
+# eval numbers a record may carry (an evaluation record: step + these); drawn as points on the loss figure
+EVAL_KEYS = ("eval_loss", "exact_match")
+
+
+@dataclass
+class RunSummary:
+    """The numbers `fitone report` prints. Memory in GiB; samples/s is the median past the first step."""
+
+    run_dir: str
+    steps: int  # the last optimizer step logged
+    records: int
+    first_loss: float | None
+    last_loss: float | None
+    min_loss: float | None
+    min_loss_step: int | None
+    median_samples_per_s: float | None
+    peak_gpu_gib: float | None
+    peak_host_gib: float | None
+    skipped_steps: int
+    nonfinite_losses: int
+    gpu_cap_gib: float | None = None
+    eval: dict[str, float] = field(default_factory=dict)  # the last value of each eval metric
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def table(self) -> str:
+        rows = [
+            ("steps", f"{self.steps} ({self.records} logged)"),
+            ("loss", f"{_f(self.first_loss)} first, {_f(self.last_loss)} last, {_f(self.min_loss)} min"
+                     + (f" (step {self.min_loss_step})" if self.min_loss_step is not None else "")),
+            ("samples/s", f"{_f(self.median_samples_per_s, 1)} median"),
+            ("peak GPU", f"{_f(self.peak_gpu_gib, 2)} GiB" + (f" of a {self.gpu_cap_gib:.1f} GiB cap"
+                                                               if self.gpu_cap_gib else "")),
+            ("peak host RSS", f"{_f(self.peak_host_gib, 2)} GiB"),
+            ("skipped steps", str(self.skipped_steps)
+             + (f", {self.nonfinite_losses} NaN/inf losses" if self.nonfinite_losses else "")),
+        ]
+        rows += [(k, _f(v)) for k, v in self.eval.items()]
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+    def __str__(self) -> str:
+        return f"run {self.run_dir}\n{self.table()}"
+
+
+@dataclass
+class Report:
+    summary: RunSummary
+    pictures: list[Path]
+
+    def __str__(self) -> str:
+        return f"{self.summary}\nwrote " + ", ".join(str(p) for p in self.pictures)
+
+
+# -- reading ------------------------------------------------------------------------------------------
+def read_run(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The run's step records, checked: a missing, empty or garbled file is a one-line DataError."""
+    run_dir = Path(run_dir)
+    if not run_dir.exists():
+        raise DataError(f"no run directory {run_dir}: give the --out directory of a `fitone train` run")
+    try:
+        records = read_metrics(run_dir)
+    except DataError as exc:
+        if "not valid JSON" in str(exc):
+            raise DataError(f"{exc}: repair or delete that line, then run `fitone report` again") from exc
+        raise
+    where = run_dir / "metrics.jsonl" if run_dir.is_dir() else run_dir
+    if not records:
+        raise DataError(f"{where} has no step records yet: wait for the first logged step (--log-every N)")
+    for i, r in enumerate(records, 1):
+        if not (isinstance(r, dict) and _finite(r.get("step")) and any(k in r for k in ("loss", *EVAL_KEYS))):
+            raise DataError(f"{where}: record {i} has no 'step' and 'loss': give a metrics.jsonl written by "
+                            "`fitone train`")
+    return records
+
+
+def summarize(records: Sequence[dict[str, Any]], *, run_dir: str | Path = "", gpu_cap_gib: float | None = None
+              ) -> RunSummary:
+    losses = [(r["step"], r["loss"]) for r in records if _finite(r.get("loss"))]
+    # the first step includes lazy allocations and warm-up, as in TrainResult.samples_per_s
+    steady = [r["samples_per_s"] for r in records if r["step"] > 1 and _finite(r.get("samples_per_s"))]
+    steady = steady or [r["samples_per_s"] for r in records if _finite(r.get("samples_per_s"))]
+    best = min(losses, key=lambda sl: sl[1], default=None)
+    evals = {k: r[k] for r in records for k in EVAL_KEYS if _finite(r.get(k))}
+    return RunSummary(
+        run_dir=str(run_dir), steps=int(max(r["step"] for r in records)), records=len(records),
+        first_loss=losses[0][1] if losses else None, last_loss=losses[-1][1] if losses else None,
+        min_loss=best[1] if best else None, min_loss_step=best[0] if best else None,
+        median_samples_per_s=statistics.median(steady) if steady else None,
+        peak_gpu_gib=_max(records, "gpu_peak_gib"), peak_host_gib=_max(records, "host_rss_gib"),
+        skipped_steps=int(_max(records, "skipped_steps") or 0),  # DeepSpeed's running count
+        nonfinite_losses=sum(1 for r in records if "loss" in r and not _finite(r["loss"])),
+        gpu_cap_gib=gpu_cap_gib, eval=evals,
+    )
+
+
+def write_report(run_dir: str | Path, out: str | Path | None = None) -> Report:
+    """PNGs of loss, throughput and memory against step in `out` (default RUN_DIR/report/), and a summary."""
+    run_dir = Path(run_dir)
+    records = read_run(run_dir)
+    settings = _run_settings(run_dir)
+    cap = _cap_gib(settings)
+    summary = summarize(records, run_dir=run_dir, gpu_cap_gib=cap)
+    out = Path(out) if out is not None else (run_dir if run_dir.is_dir() else run_dir.parent) / "report"
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file: give a directory for the pictures")
+    out.mkdir(parents=True, exist_ok=True)
+    title = _title(run_dir, settings)
+    pictures = [
+        _plot_loss(records, out / "loss.png", title),
+        _plot_throughput(records, out / "throughput.png", title),
+        _plot_memory(records, out / "memory.png", title, cap, on_cpu=settings.get("device") == "cpu"),
+    ]
+    return Report(summary=summary, pictures=pictures)
+
+
+def plot_losses(losses: Sequence[float], path: str | Path, title: str = "fitone train") -> Path:
+    """PNG of one loss per optimizer step (TrainResult.plot); NaN/inf steps are marked, not drawn."""
+    records = [{"step": i, "loss": v} for i, v in enumerate(losses, 1)]
+    if not records:
+        raise DataError("no losses to plot: the run did not finish a step")
+    return _plot_loss(records, Path(path), title)
+
+
+# -- the figures ---------------------------------------------------------------------------------------
+def _figure(height: float = 4.5, rows: int = 1):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, height), dpi=110)
+    FigureCanvasAgg(fig)
+    axes = [fig.add_subplot(rows, 1, 1)]
+    axes += [fig.add_subplot(rows, 1, i + 1, sharex=axes[0]) for i in range(1, rows)]
+    return fig, axes
+
+
+def _save(fig, path: Path) -> Path:
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in fig.axes:  # optimizer steps are whole numbers
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    return path
+
+
+def _plot_loss(records: Sequence[dict[str, Any]], path: Path, title: str) -> Path:
+    fig, (ax,) = _figure()
+    pts = [(r["step"], r["loss"]) for r in records if _finite(r.get("loss"))]
+    bad = [r["step"] for r in records if "loss" in r and not _finite(r["loss"])]
+    steps, values = [s for s, _ in pts], [v for _, v in pts]
+    handles = []
+    if pts:
+        # NaN where a loss was not finite, so the line breaks there instead of bridging the gap
+        drawn = [(r["step"], r["loss"] if _finite(r["loss"]) else math.nan) for r in records if "loss" in r]
+        handles += ax.plot([s for s, _ in drawn], [v for _, v in drawn], color="tab:blue", linewidth=1,
+                           alpha=0.45 if len(pts) >= 50 else 1, marker="o" if len(pts) < 30 else None,
+                           markersize=3, label="training loss")
+        if len(pts) >= 50:  # per-step losses are noisy; a centred moving average shows the trend without lag
+            h = max(2, len(pts) // 50)
+            smooth = [statistics.fmean(values[max(0, i - h):i + h + 1]) for i in range(len(values))]
+            handles += ax.plot(steps, smooth, color="tab:blue", linewidth=2,
+                               label=f"moving average ({2 * h + 1} logged steps)")
+        positive = [v for v in values if v > 0]
+        if positive and len(positive) == len(values) and max(positive) / min(positive) > 20:
+            ax.set_yscale("log")
+    skipped = _skipped_steps(records)
+    if skipped:  # fp16 loss scaling threw the update away: the loss was computed, the weights did not move
+        handles.append(ax.scatter([s for s, _ in skipped], [v for _, v in skipped], marker="v", s=40,
+                                  color="tab:orange", zorder=4,
+                                  label=f"update skipped (fp16 overflow), {len(skipped)} step"
+                                        f"{'s' if len(skipped) != 1 else ''}"))
+    if bad:
+        y = min(values) if values else 1.0
+        handles.append(ax.scatter(bad, [y] * len(bad), marker="x", color="tab:red", zorder=5,
+                                  label=f"NaN/inf loss ({len(bad)} step{'s' if len(bad) != 1 else ''})"))
+    evals = [(k, [(r["step"], r[k]) for r in records if _finite(r.get(k))]) for k in EVAL_KEYS]
+    evals = [(k, p) for k, p in evals if p]
+    if evals:
+        eval_ax = ax.twinx() if any(k != "eval_loss" for k, _ in evals) else None
+        for (key, p), color in zip(evals, ("tab:purple", "tab:green")):
+            target = ax if key == "eval_loss" else eval_ax
+            handles += target.plot([s for s, _ in p], [v for _, v in p], "D--", color=color, markersize=5,
+                                   label=key.replace("_", " ") + (" (right axis)" if target is not ax else ""))
+        if eval_ax is not None:
+            eval_ax.set_ylabel("exact match (fraction of held-out examples)")
+            eval_ax.set_ylim(0, 1.05)
+    scale = " (log scale)" if ax.get_yscale() == "log" else ""
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel(f"loss (mean cross-entropy per token){scale}")
+    ax.set_title(f"{title}: loss")
+    ax.grid(True, alpha=0.3)
+    if evals:  # two y axes: keep the legend clear of both sets of lines
+        ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, fontsize=8)
+    else:
+        ax.legend(handles=handles, loc="upper right", fontsize=8)
+    return _save(fig, path)
+
+
+def _plot_throughput(records: Sequence[dict[str, Any]], path: Path, title: str) -> Path:
+    fig, (ax,) = _figure()
+    pts = [(r["step"], r["samples_per_s"]) for r in records if _finite(r.get("samples_per_s"))]
+    if pts:
+        ax.plot([s for s, _ in pts], [v for _, v in pts], color="tab:green", linewidth=1,
+                marker="o" if len(pts) < 30 else None, markersize=3, label="samples/s at this step")
+        steady = [v for s, v in pts if s > 1] or [v for _, v in pts]
+        med = statistics.median(steady)
+        ax.axhline(med, color="gray", linestyle="--", linewidth=1, label=f"median {med:.1f} samples/s")
+        ax.legend(loc="lower right", fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no samples/s in metrics.jsonl", transform=ax.transAxes, ha="center")
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("throughput (samples/s)")
+    ax.set_title(f"{title}: throughput")
+    ax.grid(True, alpha=0.3)
+    return _save(fig, path)
+
+
+def _plot_memory(records: Sequence[dict[str, Any]], path: Path, title: str, cap_gib: float | None,
+                 on_cpu: bool) -> Path:
+    fig, (gpu_ax, host_ax) = _figure(height=6.5, rows=2)
+    panels = ((gpu_ax, "gpu_peak_gib", "GPU: peak memory allocated (torch.cuda.max_memory_allocated)",
+               "peak allocated (GiB)", "tab:purple"),
+              (host_ax, "host_rss_gib", "host: resident memory of the process (RSS)", "RSS (GiB)", "tab:brown"))
+    for ax, key, label, unit, color in panels:
+        pts = [(r["step"], r[key]) for r in records if _finite(r.get(key))]
+        if pts and not (ax is gpu_ax and on_cpu):
+            ax.plot([s for s, _ in pts], [v for _, v in pts], color=color, marker="o" if len(pts) < 30 else None,
+                    markersize=3)
+            label += f", peak {max(v for _, v in pts):.2f} GiB"
+        top = max([v for _, v in pts] + [0.0])
+        if ax is gpu_ax and cap_gib:
+            ax.axhline(cap_gib, color="tab:red", linestyle="--", linewidth=1, label=f"cap {cap_gib:.1f} GiB")
+            top = max(top, cap_gib)
+        if ax is gpu_ax and (on_cpu or not top):
+            ax.text(0.5, 0.5, "CPU run: no GPU memory used" if on_cpu else "no GPU memory recorded",
+                    transform=ax.transAxes, ha="center", va="center", color="gray")
+        ax.set_ylim(0, top * 1.15 or 1)
+        ax.set_ylabel(unit)
+        ax.set_title(label, fontsize=10)
+        ax.grid(True, alpha=0.3)
+        if cap_gib and ax is gpu_ax:
+            ax.legend(loc="lower right", fontsize=8)
+    host_ax.set_xlabel("optimizer step")
+    fig.suptitle(f"{title}: memory")
+    return _save(fig, path)
+
+
+# -- helpers ---------------------------------------------------------------------------------------------
+def _run_settings(run_dir: Path) -> dict[str, Any]:
+    """The run's config.json (written by `fitone train --out`); {} when absent or unreadable."""
+    path = (run_dir if run_dir.is_dir() else run_dir.parent) / "config.json"
+    try:
+        values = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return values if isinstance(values, dict) else {}
+
+
+def _cap_gib(settings: dict[str, Any]) -> float | None:
+    try:
+        cap = parse_size(settings.get("max_gpu_memory"))
+    except ConfigError:
+        return None
+    return gib(cap) if cap else None
+
+
+def _title(run_dir: Path, settings: dict[str, Any]) -> str:
+    name = (run_dir if run_dir.is_dir() else run_dir.parent).name
+    what = " ".join(str(settings[k]) for k in ("model", "precision") if settings.get(k))
+    return f"{name} ({what})" if what else name
+
+
+def _skipped_steps(records: Sequence[dict[str, Any]]) -> list[tuple[int, float]]:
+    """(step, loss) of the steps whose update was skipped: where DeepSpeed's running count went up."""
+    out, before = [], 0
+    for r in records:
+        count = r.get("skipped_steps")
+        if _finite(count):
+            if count > before and _finite(r.get("loss")):
+                out.append((r["step"], r["loss"]))
+            before = count
+    return out
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _max(records: Sequence[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in records if _finite(r.get(key))]
+    return max(values) if values else None
+
+
+def _f(value: float | None, digits: int = 4) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.{digits}f}" if abs(value) >= 10 ** -digits or value == 0 else f"{value:.2e}"
