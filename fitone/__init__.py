@@ -6,6 +6,7 @@ as the CLI (TrainConfig fields) and return result objects.
 
 from fitone.config import TrainConfig
 from fitone.errors import FitoneError
+from fitone.plan import Plan, plan
 from fitone.probe import ProbeResult
 from fitone.probe_run import probe_batch
 from fitone.recipes import load_recipe
@@ -13,5 +14,5 @@ from fitone.train import TrainResult, train
 
 __version__ = "0.1.0"
 
-__all__ = ["TrainConfig", "TrainResult", "ProbeResult", "FitoneError", "load_recipe", "train", "probe_batch",
+__all__ = ["TrainConfig", "TrainResult", "ProbeResult", "Plan", "plan", "FitoneError", "load_recipe", "train", "probe_batch",
            "__version__"]

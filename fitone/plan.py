@@ -368,15 +368,18 @@ class Plan:
             lines += ["notes:"] + [f"  - {n}" for n in self.notes]
         return "\n".join(lines)
 
-    def plot(self, path: str) -> None:
-        """Stacked bars of where memory goes on the GPU and the host, with the limit drawn in."""
-        import matplotlib
+    def plot(self, path: str) -> str:
+        """Stacked bars of where memory goes on the GPU and the host, with the limit drawn in.
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        Drawn on a bare Figure with the Agg canvas, so a notebook's pyplot backend is left alone.
+        """
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
 
         colors = dict(zip(CATEGORIES, ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860")))
-        fig, axes = plt.subplots(1, 2, figsize=(9, 5.5))
+        fig = Figure(figsize=(9, 5.5))
+        FigureCanvasAgg(fig)
+        axes = fig.subplots(1, 2)
         panels = (("GPU (per rank)", "gpu", self.gpu_total, self.gpu_limit, "limit"),
                   ("host" + (f" ({self.gpus} ranks)" if self.gpus > 1 else ""), "host", self.host_total,
                    self.host_available, "available"))
@@ -403,7 +406,7 @@ class Plan:
         fig.suptitle(f"{self.model}, {self.precision}, micro-batch {self.micro_batch}: {self.verdict}", fontsize=10)
         fig.tight_layout()
         fig.savefig(path, dpi=110)
-        plt.close(fig)
+        return str(path)
 
 
 def _g(n: float) -> float:
