@@ -2,7 +2,8 @@
 
 A checkpoint is written into `checkpoints/.tmp-<tag>/`, flushed to disk, and only then renamed to
 `checkpoints/<tag>/`: a process killed mid-save leaves at worst a `.tmp-*` folder, never a half
-checkpoint under a real name, so `latest()` always finds the newest complete one.
+checkpoint under a real name, so `latest()` always finds the newest complete one. Leftover `.tmp-*`
+folders are ignored by `latest()` and deleted when a run resumes (`remove_partial`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from typing import Any
 
 import torch
 
+from fitone.errors import RunDirError
+
 STATE_FILE = "fitone_state.json"  # written last inside a checkpoint: its presence marks it complete
 PREFIX = "step-"
 
@@ -28,12 +31,16 @@ def tag_for(step: int) -> str:
     return f"{PREFIX}{step:08d}"
 
 
+def is_complete(ckpt: Path) -> bool:
+    return ckpt.name.startswith(PREFIX) and (ckpt / STATE_FILE).is_file()
+
+
 def complete_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints, oldest first (tags sort by step)."""
     root = checkpoint_root(run_dir)
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.name.startswith(PREFIX) and (p / STATE_FILE).is_file()]
-    return sorted(found, key=lambda p: p.name)
+    return sorted((p for p in root.iterdir() if is_complete(p)), key=lambda p: p.name)
 
 
 def latest(run_dir: str | Path) -> Path | None:
@@ -62,51 +69,75 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _fsync_tree(path: Path) -> None:
+    """Flush every file and folder under `path` to disk (a rename is only as durable as what it names)."""
     for dirpath, _dirs, files in os.walk(path):
         for name in files:
             with open(os.path.join(dirpath, name), "rb") as f:
                 os.fsync(f.fileno())
-        fd = os.open(dirpath, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync_dir(Path(dirpath))
 
 
-def save(engine, run_dir: str | Path, step: int, state: dict[str, Any], *, keep: int, is_main: bool,
-         barrier=lambda: None) -> Path:
-    """Write a complete checkpoint for `step` atomically; keep only the newest `keep`."""
-    root = checkpoint_root(run_dir)
-    tag = tag_for(step)
-    tmp = root / f".tmp-{tag}"
-    final = root / tag
-    if is_main:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    barrier()
-    # DeepSpeed writes <tmp>/<tag>/: model states (rank 0) and every rank's optimizer shard
-    engine.save(str(tmp), tag, client_state={"rng": rng_state()})
-    barrier()
-    if is_main:
-        inner = tmp / tag
-        (inner / STATE_FILE).write_text(json.dumps({**state, "tag": tag}, indent=2))
-        _fsync_tree(inner)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(inner, final)
-        shutil.rmtree(tmp)  # DeepSpeed also drops its zero_to_fp32.py helper beside the tag
-        _fsync_tree_dir(root)
-        prune(run_dir, keep)
-    barrier()
-    return final
-
-
-def _fsync_tree_dir(path: Path) -> None:
+def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0][:200] if text else type(exc).__name__
+
+
+def _is_write_error(exc: BaseException) -> bool:
+    """Disk full or unwritable: an OSError, or torch.save's RuntimeError from its zip writer."""
+    return isinstance(exc, OSError) or (isinstance(exc, RuntimeError) and "write" in str(exc).lower())
+
+
+def save(engine, run_dir: str | Path, step: int, state: dict[str, Any], *, keep: int, is_main: bool,
+         barrier=lambda: None) -> Path:
+    """Write a complete checkpoint for `step` atomically; keep only the newest `keep`.
+
+    A step that already has a complete checkpoint is not written again (a stop request right after a
+    periodic save), so an existing checkpoint is never deleted to be replaced.
+    """
+    root = checkpoint_root(run_dir)
+    tag = tag_for(step)
+    tmp = root / f".tmp-{tag}"
+    final = root / tag
+    if is_complete(final):
+        return final
+    try:
+        if is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        barrier()
+        # DeepSpeed writes <tmp>/<tag>/: model states (rank 0) and every rank's optimizer shard
+        engine.save(str(tmp), tag, client_state={"rng": rng_state()})
+        barrier()
+        if is_main:
+            inner = tmp / tag
+            (inner / STATE_FILE).write_text(json.dumps({**state, "tag": tag}, indent=2))  # marks it complete
+            _fsync_tree(inner)  # the data is on disk before the name says it is complete
+            shutil.rmtree(final, ignore_errors=True)  # only an incomplete leftover can be here
+            os.replace(inner, final)
+            _fsync_dir(root)
+            shutil.rmtree(tmp)  # DeepSpeed also drops its zero_to_fp32.py helper beside the tag
+            prune(run_dir, keep)
+    except (OSError, RuntimeError) as exc:
+        if not _is_write_error(exc):
+            raise
+        # disk full, quota, permissions: keep what was there and say what to do
+        if is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        last = latest(run_dir)
+        kept = f"the last complete checkpoint is {last}" if last else "no earlier checkpoint exists"
+        why = getattr(exc, "strerror", None) or _first_line(exc)
+        raise RunDirError(f"cannot write checkpoint {final}: {why}; free disk space or fix permissions under {root}, "
+                          f"then continue with --resume ({kept})") from exc
+    barrier()
+    return final
 
 
 def prune(run_dir: str | Path, keep: int) -> None:
@@ -124,6 +155,11 @@ def remove_partial(run_dir: str | Path) -> None:
 
 def load(engine, ckpt: Path) -> dict[str, Any]:
     """Restore model, optimizer, loss scaler and LR schedule (DeepSpeed) and RNG; return fitone's state."""
-    client = engine.load(str(ckpt.parent), ckpt.name)
+    try:
+        client = engine.load(str(ckpt.parent), ckpt.name)
+    except Exception as exc:  # a mismatched architecture or DeepSpeed setup fails deep inside DeepSpeed
+        raise RunDirError(f"cannot load checkpoint {ckpt} ({_first_line(exc)}): it does not match this model or "
+                          "its settings; resume with the options it was written with, or start over in another --out"
+                          ) from exc
     set_rng_state(client.get("rng", {}))
     return read_state(ckpt)

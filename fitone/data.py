@@ -104,25 +104,39 @@ def _field_flag(name: str, fields: Sequence[str]) -> str:
     return "source-field" if name == fields[0] else "target-field"
 
 
-def load_dataset(cfg: TrainConfig, task: str, tokenizer, vocab_size: int, *, split: str = "train") -> Dataset | None:
-    """The run's train (or eval) examples, tokenised and truncated to the configured lengths."""
+def data_file(cfg: TrainConfig, task: str, *, split: str = "train") -> tuple[Path, tuple[str, ...]] | None:
+    """The JSONL file and text fields a run reads for `split`; None when there is none (synthetic data,
+    or the eval split of a user's file: fitone does not hold out silently)."""
+    if cfg.data == "synthetic":
+        return None
+    if cfg.data == "sample":
+        if task != SEQ2SEQ:
+            raise ConfigError("the sample task is seq2seq (numbers to words): use a T5 model, or --data FILE.jsonl "
+                              "with a 'text' field for a causal LM")
+        return (SAMPLE_EVAL if split == "eval" else SAMPLE_TRAIN), ("source", "target")
+    if split == "eval":
+        return None
+    fields = (cfg.source_field, cfg.target_field) if task == SEQ2SEQ else (cfg.text_field,)
+    return Path(cfg.data), fields
+
+
+def load_dataset(cfg: TrainConfig, task: str, tokenizer, vocab_size: int, *, split: str = "train",
+                 rows: list[dict[str, str]] | None = None) -> Dataset | None:
+    """The run's train (or eval) examples, tokenised and truncated to the configured lengths.
+
+    `rows` are the file's rows when the caller has already read (and so checked) them.
+    """
     if cfg.data == "synthetic":
         if split == "eval":
             return None
         src = cfg.seq_len if task == CAUSAL else cfg.src_len
         return Dataset(task, SyntheticExamples(task, vocab_size, src, cfg.tgt_len, cfg.seed), source="synthetic")
-    if cfg.data == "sample":
-        if task != SEQ2SEQ:
-            raise ConfigError("the sample task is seq2seq (numbers to words): use a T5 model, or --data FILE.jsonl "
-                              "with a 'text' field for a causal LM")
-        path = SAMPLE_EVAL if split == "eval" else SAMPLE_TRAIN
-        fields = ("source", "target")
-    else:
-        if split == "eval":
-            return None  # a user's file is all training data; fitone does not hold out silently
-        path = Path(cfg.data)
-        fields = (cfg.source_field, cfg.target_field) if task == SEQ2SEQ else (cfg.text_field,)
-    rows = read_jsonl(path, fields)
+    found = data_file(cfg, task, split=split)
+    if found is None:
+        return None
+    path, fields = found
+    if rows is None:
+        rows = read_jsonl(path, fields)
     return tokenize(rows, fields, task, tokenizer, cfg, source=str(path))
 
 
@@ -184,11 +198,9 @@ def batches(data: Dataset, micro_batch: int, *, seed: int, pad_id: int, rank: in
     Resuming at (start_epoch, start_batch) yields exactly the batches an uninterrupted run would.
     Incomplete last batches are dropped so every step has the same shape.
     """
+    require_one_batch(data, micro_batch, world_size)
     per_step = micro_batch * world_size
     n_batches = len(data) // per_step
-    if n_batches == 0:
-        raise DataError(f"{data.source or 'the data'} has {len(data)} examples, fewer than one step's "
-                        f"{per_step} (micro-batch x GPUs): lower --batch-size or add data")
     epoch, b = start_epoch, start_batch
     while True:
         if data.source == "synthetic":  # random already; skip the 1M-element permutation
@@ -200,6 +212,20 @@ def batches(data: Dataset, micro_batch: int, *, seed: int, pad_id: int, rank: in
             yield epoch, b, collate([data.examples[i % len(data)] for i in idx], data.task, pad_id)
             b += 1
         epoch, b = epoch + 1, 0
+
+
+def require_one_batch(data: Dataset, micro_batch: int, world_size: int = 1) -> None:
+    """Fail before training when the data cannot fill one micro-batch on every GPU."""
+    per_step = micro_batch * world_size
+    if len(data) < per_step:
+        raise DataError(f"{data.source or 'the data'} has {len(data)} examples, fewer than one step's "
+                        f"{per_step} (micro-batch x GPUs): lower --batch-size or add data")
+
+
+def resume_position(epoch: int, batch: int, was_per_step: int, now_per_step: int) -> tuple[int, int]:
+    """The (epoch, batch) that starts at the same example after the examples per micro-step changed
+    (a lower --batch-size on resume). Rounds down: at most one micro-batch of examples is seen twice."""
+    return epoch, (batch * was_per_step) // now_per_step
 
 
 def steps_per_epoch(data: Dataset, micro_batch: int, world_size: int, accum: int) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,9 @@ class MetricsLog:
             return
         if resume_step is not None and path.exists():
             kept = [r for r in read_metrics(path) if r.get("step", 0) <= resume_step]
-            path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            tmp = path.with_name(path.name + ".tmp")  # rewritten whole, then renamed: a kill keeps the old file
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            os.replace(tmp, path)
 
     def write(self, record: dict[str, Any]) -> None:
         if self.path is None:
@@ -35,11 +38,15 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
         path = path / "metrics.jsonl"
     if not path.is_file():
         raise DataError(f"no metrics file at {path}: give a run directory written by `fitone train --out`")
+    text = path.read_text()
+    lines = text.splitlines()
     rows = []
-    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+    for lineno, line in enumerate(lines, 1):
         if line.strip():
             try:
                 rows.append(json.loads(line))
             except json.JSONDecodeError as exc:
+                if lineno == len(lines) and not text.endswith("\n"):
+                    break  # the last append was cut short by a kill: that step is simply not logged
                 raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
     return rows

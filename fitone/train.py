@@ -6,7 +6,10 @@ visible here; the DeepSpeed specifics live in engine.py, the files in checkpoint
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import random
 import shutil
 import statistics
 import time
@@ -18,13 +21,15 @@ import torch
 
 from fitone import checkpoint, memory
 from fitone.config import TrainConfig, gib
-from fitone.data import Dataset, batches, load_dataset, steps_per_epoch
-from fitone.ds_config import build_ds_config
+from fitone.data import (Dataset, batches, data_file, load_dataset, read_jsonl, require_one_batch, resume_position,
+                         steps_per_epoch)
+from fitone.ds_config import build_ds_config, read_user_config
 from fitone.engine import DistInfo, Engine, apply_gpu_cap, init_distributed, quiet_logs, resolve_device
-from fitone.errors import ConfigError, FitoneError, MemoryBudgetError, RunDirError, TrainingAborted
-from fitone.guards import BadStepStreak, HostMemoryWatch, StopRequest
+from fitone.errors import ConfigError, MemoryBudgetError, RunDirError, TrainingAborted
+from fitone.guards import BadStepStreak, HostMemoryWatch, StopRequest, is_loss_scale_collapse, numerics_advice
 from fitone.metrics import MetricsLog
-from fitone.models import CAUSAL, SEQ2SEQ, LoadedModel, enable_activation_checkpointing, load_model
+from fitone.models import (CAUSAL, SEQ2SEQ, LoadedModel, enable_activation_checkpointing, load_config, load_model,
+                           task_of)
 
 
 @dataclass
@@ -49,6 +54,7 @@ class TrainResult:
     final_dir: str | None = None
     resumed_from: int | None = None
     truncated_examples: int = 0
+    lrs: list[float] = field(default_factory=list)  # learning rate after each optimizer step of this call
 
     @property
     def final_loss(self) -> float | None:
@@ -99,8 +105,11 @@ class Trainer:
         cfg = self.cfg
         if not cfg.model:
             raise ConfigError("no model given: pass --model NAME_OR_PATH (or --recipe NAME)")
+        # everything a user can get wrong is checked first: a mistake costs no weight loading or engine
+        # init, and nothing is written until the run directory is set up at the very end
         self.resume_from = self._check_run_dir()
         self.device = resolve_device(cfg)
+        self._check_inputs()
         quiet_logs(cfg.verbose)
         self.dist: DistInfo = init_distributed(self.device)
         if self.device == "cuda":
@@ -135,28 +144,50 @@ class Trainer:
                 raise RunDirError(f"{ckpt} is a checkpoint of model {saved_model!r}, not {cfg.model!r}: resume with "
                                   f"--model {saved_model} or use another --out")
             return ckpt
-        if out.exists() and any(out.iterdir()) and not cfg.overwrite:
-            raise RunDirError(f"--out {out} already holds a run: add --resume to continue it, --overwrite to "
-                              "replace it, or choose another directory")
+        if out.exists() and any(out.iterdir()):
+            if not cfg.overwrite:
+                raise RunDirError(f"--out {out} already holds a run: add --resume to continue it, --overwrite to "
+                                  "replace it, or choose another directory")
+            if not _is_run_dir(out):  # --overwrite deletes the folder: never one that fitone did not write
+                raise RunDirError(f"--out {out} holds files that are not a fitone run, and --overwrite would delete "
+                                  "them: choose a new or empty directory")
         return None
+
+    def _check_inputs(self) -> None:
+        """Cheap checks of the model name, lengths, batch arithmetic, --ds-config and the data file."""
+        cfg = self.cfg
+        if isinstance(cfg.max_bad_steps, bool) or not isinstance(cfg.max_bad_steps, int) or cfg.max_bad_steps <= 0:
+            raise ConfigError(f"--max-bad-steps must be a positive whole number; got {cfg.max_bad_steps!r}")
+        config = load_config(cfg.model, from_scratch=cfg.from_scratch)  # a config only: no weights yet
+        task = task_of(config)
+        limit = _position_limit(config)
+        if task == CAUSAL and limit is not None and cfg.seq_len > limit:
+            raise ConfigError(f"--seq-len {cfg.seq_len} is beyond {cfg.model}'s {limit} positions: use --seq-len "
+                              f"{limit} or less")
+        if cfg.ds_config:
+            read_user_config(cfg.ds_config)
+        if cfg.batch_size != "auto":
+            cfg.accumulation(int(cfg.batch_size), int(os.environ.get("WORLD_SIZE", "1")))
+        found = data_file(cfg, task)
+        self._rows = read_jsonl(*found) if found else None  # read once: checked now, tokenised after the model
 
     def _setup_model(self) -> None:
         cfg = self.cfg
         self.loaded: LoadedModel = load_model(cfg.model, from_scratch=cfg.from_scratch, seed=cfg.seed)
-        limit = _position_limit(self.loaded.config)
-        if self.loaded.task == CAUSAL and limit is not None and cfg.seq_len > limit:
-            raise ConfigError(f"--seq-len {cfg.seq_len} is beyond {cfg.model}'s {limit} positions: use --seq-len {limit} or less")
         if cfg.activation_checkpointing:
             enable_activation_checkpointing(self.loaded.model)
 
     def _setup_data(self) -> None:
         cfg, m = self.cfg, self.loaded
-        self.data: Dataset = load_dataset(cfg, m.task, m.tokenizer, m.config.vocab_size)
+        self.data: Dataset = load_dataset(cfg, m.task, m.tokenizer, m.config.vocab_size, rows=self._rows)
         self.eval_data = load_dataset(cfg, m.task, m.tokenizer, m.config.vocab_size, split="eval")
         self.pad_id = m.tokenizer.pad_token_id
+        require_one_batch(self.data, self.micro_batch, self.dist.world_size)
         if self.data.truncated:
-            self._say(f"{self.data.truncated} of {len(self.data)} examples were longer than the limits and were "
-                      f"truncated (raise --src-len/--tgt-len/--seq-len to keep them whole)")
+            limits = (f"--seq-len {cfg.seq_len}" if m.task == CAUSAL
+                      else f"--src-len {cfg.src_len} / --tgt-len {cfg.tgt_len}")
+            self._say(f"{self.data.truncated} of {len(self.data)} examples were longer than {limits} and were "
+                      "truncated (raise the limits to keep them whole)")
 
     def _resolve_batch_size(self) -> int:
         if self.cfg.batch_size != "auto":
@@ -187,9 +218,19 @@ class Trainer:
         memory.reset_gpu_peak()
         self.engine = Engine(self.loaded.model, ds_config)
         self.state = {"step": 0, "epoch": 0, "batch": 0}
+        self.resumed_step: int | None = None  # read now: that checkpoint may be pruned before the run ends
+        _seed(self.cfg.seed)  # dropout draws from here on; a resume replaces this with the checkpoint's RNG
         if self.resume_from is not None:
             self.state = checkpoint.load(self.engine, self.resume_from)
+            self.resumed_step = int(self.state["step"])
             self._say(f"resumed from {self.resume_from} (step {self.state['step']})")
+            was = int(self.state.get("micro_batch", self.micro_batch)) * int(self.state.get("world_size", 1))
+            now = self.micro_batch * self.dist.world_size
+            if was != now:  # e.g. a lower --batch-size after an OOM: continue at the same example
+                self.state["epoch"], self.state["batch"] = resume_position(self.state["epoch"], self.state["batch"],
+                                                                           was, now)
+                self._say(f"examples per micro-step changed from {was} to {now}: continuing at the same place "
+                          f"in epoch {self.state['epoch']}")
 
     def _setup_run_dir(self) -> None:
         cfg = self.cfg
@@ -198,7 +239,7 @@ class Trainer:
             self.metrics = MetricsLog(None)
             return
         if cfg.overwrite and self.out.exists():
-            shutil.rmtree(self.out)
+            shutil.rmtree(self.out)  # _check_run_dir made sure it is a run directory
         self.out.mkdir(parents=True, exist_ok=True)
         checkpoint.remove_partial(self.out)
         (self.out / "config.json").write_text(_json(cfg.to_dict()))
@@ -213,42 +254,38 @@ class Trainer:
         stream = batches(self.data, self.micro_batch, seed=cfg.seed, pad_id=self.pad_id, rank=self.dist.rank,
                          world_size=self.dist.world_size, start_epoch=self.state["epoch"],
                          start_batch=self.state["batch"])
-        bad = BadStepStreak(cfg.max_bad_steps)
-        host_watch = HostMemoryWatch(cfg.host_mem_warn, cfg.host_mem_stop)
-        losses, times = [], []
+        self.bad = BadStepStreak(cfg.max_bad_steps)
+        host_watch = HostMemoryWatch(cfg.host_mem_warn, cfg.host_mem_stop, say=self._say)
+        losses, times, lrs = [], [], []
         bar = self._progress_bar()
         peak_rss = memory.host_rss_bytes()
         engine.ds.train()
-        with StopRequest() as stop:
-            while self.state["step"] < self.total_steps:
-                t0 = time.perf_counter()
-                step_loss = 0.0
-                for _ in range(self.accum):  # one optimizer step = accum micro-batches
-                    epoch, b, batch = next(stream)
-                    loss = self._micro_step(batch, epoch, b)
-                    step_loss += loss / self.accum
-                if self.device == "cuda":
-                    torch.cuda.synchronize()  # time the GPU's work, not just its queueing
-                dt = time.perf_counter() - t0
-                self.state.update(step=self.state["step"] + 1, epoch=epoch, batch=b + 1)
-                losses.append(step_loss)
-                times.append(dt)
-                peak_rss = max(peak_rss, memory.host_rss_bytes())
-                record = self._log_step(step_loss, dt, samples_per_step, peak_rss, bar)
-                if bad.update(step_loss, engine.last_step_applied):
-                    self._abort_numerics(bad)
-                if stop.requested:
-                    self._abort(f"stopped by {stop.signal_name}")
-                used = host_watch.check()
-                if used is not None:
-                    self._abort(f"host RAM {used:.0%} used, past the {cfg.host_mem_stop:.0%} limit")
-                if cfg.save_every and self.state["step"] % cfg.save_every == 0:
-                    self._save()
-                del record
-        if bar is not None:
-            bar.close()
-        if cfg.save_every and self.out and not (self.state["step"] % cfg.save_every == 0):
-            self._save()  # the end is always resumable when checkpoints were asked for
+        try:
+            with StopRequest() as stop:
+                while self.state["step"] < self.total_steps:
+                    t0 = time.perf_counter()
+                    step_loss = 0.0
+                    for _ in range(self.accum):  # one optimizer step = accum micro-batches
+                        epoch, b, batch = next(stream)
+                        loss = self._micro_step(batch, epoch, b)
+                        step_loss += loss / self.accum
+                    if self.device == "cuda":
+                        torch.cuda.synchronize()  # time the GPU's work, not just its queueing
+                    dt = time.perf_counter() - t0
+                    self.state.update(step=self.state["step"] + 1, epoch=epoch, batch=b + 1)
+                    losses.append(step_loss)
+                    times.append(dt)
+                    lrs.append(engine.lr)
+                    peak_rss = max(peak_rss, memory.host_rss_bytes())
+                    self._log_step(step_loss, dt, samples_per_step, peak_rss, bar)
+                    self._save_or_stop(step_loss, stop, host_watch)
+        finally:
+            if bar is not None:
+                bar.close()
+        if not self.bad.state_is_good:  # ended inside a NaN streak: neither checkpoint nor export those weights
+            self._abort_numerics("the last step had a NaN/inf loss")
+        if cfg.save_every and self.out:
+            self._save()  # the end is always resumable when checkpoints were asked for (no-op if just saved)
         final_dir = self._export()
         quality = self._evaluate()
         steady = times[1:] or times  # the first step includes lazy allocations and warm-up
@@ -258,11 +295,38 @@ class Trainer:
             peak_gpu_bytes=memory.gpu_peak_bytes(), peak_host_rss_bytes=peak_rss,
             init_s=engine.init_s, wall_s=time.perf_counter() - self.started, micro_batch=self.micro_batch,
             grad_accum=self.accum, world_size=self.dist.world_size, precision=cfg.precision,
-            skipped_steps=bad.total_skipped, quality=quality, out_dir=str(self.out) if self.out else None,
+            skipped_steps=self.bad.total_skipped, quality=quality, out_dir=str(self.out) if self.out else None,
             final_dir=str(final_dir) if final_dir else None,
-            resumed_from=int(checkpoint.read_state(self.resume_from)["step"]) if self.resume_from else None,
-            truncated_examples=self.data.truncated,
+            resumed_from=self.resumed_step,
+            truncated_examples=self.data.truncated, lrs=lrs,
         )
+
+    def _save_or_stop(self, loss: float, stop: StopRequest, host_watch: HostMemoryWatch) -> None:
+        """After each step: a NaN/overflow streak stops without saving; then the periodic checkpoint;
+        then a signal or host RAM past its limit saves (unless just saved) and stops."""
+        cfg, bad = self.cfg, self.bad
+        used = host_watch.check()
+        nan_loss, stop_asked, host_full = self._agree(not math.isfinite(loss), stop.requested, used is not None)
+        if bad.update(math.nan if nan_loss else loss, self.engine.last_step_applied):
+            self._abort_numerics(f"{bad.streak} steps in a row had a NaN/inf loss or skipped their update")
+        if cfg.save_every and self.state["step"] % cfg.save_every == 0 and bad.state_is_good:
+            self._save()  # never after a NaN/inf loss: those weights may hold NaN
+        if stop_asked:
+            self._abort(f"stopped by {stop.signal_name or 'a signal to another rank'}")
+        if host_full:
+            self._abort(f"host RAM {used or memory.host_used_fraction():.0%} used, past the {cfg.host_mem_stop:.0%} "
+                        "limit (host_mem_stop), before the kernel's OOM killer would end the run")
+
+    def _agree(self, *flags: bool) -> list[bool]:
+        """The same decisions on every rank: a signal, NaN or full host RAM seen by one rank stops all
+        (alone, it would wait in the save's barrier while the others wait in the next step's all-reduce)."""
+        if self.dist.world_size == 1:
+            return list(flags)
+        import torch.distributed as dist
+
+        votes = torch.tensor([float(f) for f in flags], device=self.engine.device)
+        dist.all_reduce(votes, op=dist.ReduceOp.MAX)
+        return [bool(v) for v in votes.tolist()]
 
     def _micro_step(self, batch: dict[str, torch.Tensor], epoch: int, b: int) -> float:
         """Forward, backward (ZeRO-2 moves gradients to the host as they are reduced), and the
@@ -273,19 +337,23 @@ class Trainer:
             engine.backward(loss)
             engine.step()
         except Exception as exc:
+            step = self.state["step"] + 1
             if memory.is_oom_error(exc):
-                shape = "x".join(str(s) for s in batch["input_ids"].shape)
-                tgt = batch["labels"].shape[1]
+                last = checkpoint.latest(self.out) if self.out else None
+                kept = (f"; the last checkpoint {last} is intact: continue from it with --resume and the lower "
+                        "--batch-size" if last else "")
                 raise MemoryBudgetError(
-                    f"GPU out of memory at step {self.state['step'] + 1} on a batch of {shape} tokens"
-                    f"{f' (targets {tgt})' if self.loaded.task == SEQ2SEQ else ''}: lower --batch-size, or run "
-                    f"`fitone probe-batch --data {self.cfg.data}` to find a size that fits the longest examples"
-                    f"{'; the last checkpoint is intact' if self.out and checkpoint.latest(self.out) else ''}"
+                    f"GPU out of memory at step {step} on a batch of {_batch_lengths(batch, self.loaded.task)}, "
+                    f"longer than what --batch-size {self.micro_batch} was sized for: lower --batch-size, or run "
+                    f"`fitone probe-batch` with this --data and these lengths to find a size that fits the longest "
+                    f"examples{kept}"
                 ) from exc
+            if is_loss_scale_collapse(exc):  # fp16: the scaler hit its minimum and still overflowed
+                self._abort_numerics(f"the fp16 loss scale fell to its minimum and still overflowed (step {step})")
             raise
         return float(loss.detach().float().item())
 
-    def _log_step(self, loss: float, dt: float, samples_per_step: int, peak_rss: int, bar) -> dict[str, Any]:
+    def _log_step(self, loss: float, dt: float, samples_per_step: int, peak_rss: int, bar) -> None:
         engine = self.engine
         record = {
             "step": self.state["step"], "loss": loss, "lr": engine.lr, "step_s": dt,
@@ -301,7 +369,6 @@ class Trainer:
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}", sps=f"{record['samples_per_s']:.1f}",
                             gpu=f"{record['gpu_peak_gib']:.1f}G", host=f"{gib(peak_rss):.1f}G", refresh=False)
-        return record
 
     def _progress_bar(self):
         if not (self.cfg.progress and self.dist.is_main):
@@ -312,22 +379,26 @@ class Trainer:
 
     # -- stopping early -------------------------------------------------------------------------
     def _abort(self, why: str) -> None:
-        """Checkpoint (when there is a run dir) and stop with the way to resume."""
-        if self.out is not None:
-            path = self._save()
-            raise TrainingAborted(f"{why} at step {self.state['step']}; checkpoint saved to {path}; continue "
-                                  f"with the same command plus --resume")
-        raise TrainingAborted(f"{why} at step {self.state['step']}; nothing saved (no --out given)")
+        """Checkpoint (when there is a run dir and the state is good) and stop with the way to resume."""
+        step = self.state["step"]
+        if self.out is None:
+            raise TrainingAborted(f"{why} at step {step}; nothing saved (no --out given)")
+        if not self.bad.state_is_good:
+            raise TrainingAborted(f"{why} at step {step}; not saved, because the last step's loss was NaN/inf"
+                                  f"{self._last_good()}")
+        self._say(f"{why}: saving a checkpoint at step {step}, then stopping (a second Ctrl-C quits at once)")
+        path = self._save()  # a no-op when this step's periodic checkpoint was just written
+        raise TrainingAborted(f"{why} at step {step}; checkpoint saved to {path}; continue with the same command "
+                              "plus --resume")
 
-    def _abort_numerics(self, bad: BadStepStreak) -> None:
-        """NaN/overflow streak: keep the last good checkpoint (do not save the bad state)."""
-        hint = "lower --lr, or use --precision bf16 or fp32"
-        if self.cfg.precision == "fp16" and self.loaded.config.model_type in ("t5", "mt5", "umt5"):
-            hint = "T5 was pre-trained in bf16 and overflows in fp16: use --precision bf16 or fp32"
+    def _abort_numerics(self, why: str) -> None:
+        """NaN/overflow: stop, keeping the last good checkpoint (the bad state is not saved)."""
+        advice = numerics_advice(self.cfg.precision, getattr(self.loaded.config, "model_type", ""))
+        raise TrainingAborted(f"{why} (up to step {self.state['step']}): {advice}{self._last_good()}")
+
+    def _last_good(self) -> str:
         last = checkpoint.latest(self.out) if self.out else None
-        kept = f"; the last good checkpoint is {last}" if last else ""
-        raise TrainingAborted(f"{bad.streak} steps in a row had a NaN/inf loss or skipped their update "
-                              f"(step {self.state['step']}): {hint}{kept}")
+        return f"; the last good checkpoint is {last}: add --resume to continue from it" if last else ""
 
     def _save(self) -> Path | None:
         if self.out is None:
@@ -406,6 +477,29 @@ class Trainer:
             tqdm.write(f"fitone: {text}")
 
 
+def _seed(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)  # also every CUDA device
+
+
+def _is_run_dir(path: Path) -> bool:
+    """A directory fitone wrote: metrics, checkpoints, or its config.json (not a model's config.json)."""
+    if (path / "metrics.jsonl").is_file() or checkpoint.checkpoint_root(path).is_dir():
+        return True
+    try:
+        saved = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(saved, dict) and {"max_bad_steps", "save_every", "host_mem_stop"} <= saved.keys()
+
+
+def _batch_lengths(batch: dict[str, torch.Tensor], task: str) -> str:
+    n, width = batch["input_ids"].shape
+    if task == SEQ2SEQ:
+        return f"{n} examples x {width} input tokens and {batch['labels'].shape[1]} target tokens"
+    return f"{n} examples x {width} tokens"
+
+
 def _position_limit(config) -> int | None:
     for name in ("n_positions", "max_position_embeddings"):
         value = getattr(config, name, None)
@@ -415,6 +509,4 @@ def _position_limit(config) -> int | None:
 
 
 def _json(values: dict[str, Any]) -> str:
-    import json
-
     return json.dumps(values, indent=2, default=str)

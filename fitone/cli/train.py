@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from fitone.cli.options import FLAGS, add_config_flags, given
 
@@ -32,9 +33,16 @@ def config_from_args(args: argparse.Namespace, names: list[str]):
 
 def run(args: argparse.Namespace) -> int:
     import fitone
+    from fitone.checkpoint import latest
 
     cfg = config_from_args(args, TRAIN_FLAGS)
-    result = fitone.train(cfg)
+    try:
+        result = fitone.train(cfg)
+    except KeyboardInterrupt:  # a second Ctrl-C: out at once, but say what is safe on disk
+        last = latest(cfg.out) if cfg.out else None
+        kept = f"; the last complete checkpoint is {last}: continue with the same command plus --resume" if last else ""
+        print(f"fitone: interrupted{kept}", file=sys.stderr)
+        return 130
     print(result)
     if result.final_dir:
         print(f"model saved to {result.final_dir} (load it with from_pretrained)")

@@ -1,0 +1,248 @@
+"""Bad input through `fitone train`: one line naming the fix, exit code 2, no traceback, nothing written.
+
+Every case goes through `fitone.cli.main` (what the console script runs); two also through a real
+`python -m fitone` process. The checks run before any weights load or engine is built, so these are fast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fitone.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+
+# the CLI twin of conftest.cpu_config (batch 4), so a run started by the CLI resumes through fitone.train
+CLI_RUN = ["--model", "t5-tiny", "--from-scratch", "--data", "sample", "--src-len", "8", "--tgt-len", "48",
+           "--batch-size", "4", "--lr", "3e-3", "--seed", "0", "--precision", "fp32", "--device", "cpu",
+           "--eval-examples", "0", "--no-progress"]
+
+# a fast CPU run of the tiny T5 for bad-input cases; a value of None drops the flag
+BASE = {"--model": "t5-tiny", "--from-scratch": True, "--device": "cpu", "--precision": "fp32", "--src-len": "8",
+        "--tgt-len": "48", "--batch-size": "4", "--max-steps": "2", "--eval-examples": "0", "--no-progress": True}
+
+
+def train_argv(**flags) -> list[str]:
+    """`train` argv from BASE plus flags given as src_len="8" (True: a bare switch, None: left out)."""
+    values = {**BASE, **{"--" + k.replace("_", "-"): v for k, v in flags.items()}}
+    argv = ["train"]
+    for flag, value in values.items():
+        if value is True:
+            argv.append(flag)
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def run_main(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(argv)
+    return rc, out.getvalue(), err.getvalue()
+
+
+def child_env() -> dict[str, str]:
+    """Environment for a child `python -m fitone`: this checkout importable, one OpenMP thread (no
+    spinning against the test process on a shared machine), and without the torch.distributed
+    variables an in-process run set here (the child would reuse a port in use)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def assert_one_line_error(err: str, pattern: str) -> str:
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("fitone: error: "), err
+    assert re.search(pattern, lines[0]), lines[0]
+    return lines[0]
+
+
+def tree_digest(path: Path) -> dict[str, str]:
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    """Data and config files, good and bad."""
+    d = tmp_path_factory.mktemp("inputs")
+    good_row = json.dumps({"source": "12", "target": "twelve"})
+    texts = {
+        "empty": "\n\n",
+        "malformed": f"{good_row}\n{good_row}\n{{\"source\": \"1\", \"target\": \n",
+        "missing_field": f"{good_row}\n" + json.dumps({"source": "1", "label": "one"}) + "\n",
+        "non_text": f"{good_row}\n" + json.dumps({"source": "1", "target": ["o", "n", "e"]}) + "\n",
+        "few": f"{good_row}\n{good_row}\n",
+        "ds_not_json": "{ \"zero_optimization\": { stage: 2 } }",
+        "ds_unknown_top": json.dumps({"zero_optimisation": {"stage": 2}}),
+        "ds_unknown_zero": json.dumps({"zero_optimization": {"reduce_bucket_sise": 1000}}),
+    }
+    paths = {}
+    for name, text in texts.items():
+        paths[name] = d / (name + (".json" if name.startswith("ds_") else ".jsonl"))
+        paths[name].write_text(text)
+    paths["binary"] = d / "binary.jsonl"
+    paths["binary"].write_bytes(b"\xff\xfe\x00\x01")
+    paths["directory"] = d / "a-directory.jsonl"
+    paths["directory"].mkdir()
+    long_rows = [{"source": str(i) * (1 if i % 4 else 12), "target": "x"} for i in range(40)]  # 10 too long
+    paths["long"] = d / "long.jsonl"
+    paths["long"].write_text("".join(json.dumps(r) + "\n" for r in long_rows))
+    paths["text"] = d / "text.jsonl"
+    paths["text"].write_text("".join(json.dumps({"text": f"line {i}"}) + "\n" for i in range(20)))
+    return paths
+
+
+# (case id, flags over BASE, pattern the one line must match)
+BAD_INPUT = [
+    ("missing data file", {"data": "{d}/nope.jsonl"}, r"nope\.jsonl does not exist"),
+    ("data is a directory", {"data": "{directory}"}, r"is a directory: give a JSONL file"),
+    ("data not UTF-8", {"data": "{binary}"}, r"binary\.jsonl is not UTF-8"),
+    ("empty data", {"data": "{empty}"}, r"empty\.jsonl holds no examples"),
+    ("malformed line", {"data": "{malformed}"}, r"malformed\.jsonl:3: not valid JSON"),
+    ("missing field", {"data": "{missing_field}"}, r"missing_field\.jsonl:2: missing field 'target'.*--target-field"),
+    ("non-text field", {"data": "{non_text}"}, r"non_text\.jsonl:2: field 'target' must be text, got list"),
+    ("fewer examples than a batch", {"data": "{few}"}, r"has 2 examples, fewer than one step's 4.*--batch-size"),
+    ("sample task with a causal LM", {"model": "gpt2-tiny"}, r"sample task is seq2seq"),
+    ("unknown shipped model", {"model": "t5-huge"}, r"no shipped config named 't5-huge'.*t5-tiny"),
+    ("unknown model path", {"model": "{d}/no-such-model", "from_scratch": None},
+     r"cannot load local directory .*no-such-model.*save_pretrained"),
+    ("unknown recipe", {"recipe": "t5-tiny/gpu-of-dreams"}, r"no recipe named 't5-tiny/gpu-of-dreams'"),
+    ("unparsable memory size", {"max_gpu_memory": "24XB"}, r"cannot read --max-gpu-memory '24XB'.*24GiB"),
+    ("batch size 0", {"batch_size": "0"}, r"--batch-size must be a positive whole number"),
+    ("negative batch size", {"batch_size": "-4"}, r"--batch-size must be a positive whole number"),
+    ("source length 0", {"src_len": "0"}, r"--src-len must be a positive whole number"),
+    ("negative target length", {"tgt_len": "-1"}, r"--tgt-len must be a positive whole number"),
+    ("max bad steps 0", {"max_bad_steps": "0"}, r"--max-bad-steps must be a positive whole number"),
+    ("global batch not divisible", {"batch_size": "3", "global_batch": "10"},
+     r"--global-batch 10 is not a multiple of .* 3: use --global-batch 9"),
+    ("accumulation given twice", {"grad_accum": "2", "global_batch": "8"}, r"--grad-accum or --global-batch"),
+    ("ds-config not JSON", {"ds_config": "{ds_not_json}"}, r"ds_not_json\.json is not valid JSON \(line 1"),
+    ("ds-config missing", {"ds_config": "{d}/nope.json"}, r"--ds-config .*nope\.json: no such file"),
+    ("ds-config unknown key", {"ds_config": "{ds_unknown_top}"},
+     r"unknown key 'zero_optimisation'.*did you mean 'zero_optimization'"),
+    ("ds-config unknown zero key", {"ds_config": "{ds_unknown_zero}"},
+     r"unknown key 'reduce_bucket_sise' in zero_optimization.*'reduce_bucket_size'"),
+    ("resume with nothing to resume", {"resume": True}, r"nothing to resume in .*drop --resume"),
+    ("resume and overwrite", {"resume": True, "overwrite": True}, r"--resume or --overwrite, not both"),
+    ("seq-len beyond positions", {"model": "gpt2-tiny", "data": "{text}", "seq_len": "4096"},
+     r"--seq-len 4096 is beyond gpt2-tiny's 512 positions: use --seq-len 512"),
+    ("fp16 on the CPU", {"precision": "fp16"}, r"fp16 needs a CUDA GPU.*--precision bf16 or fp32"),
+    ("GPU cap on the CPU", {"max_gpu_memory": "8GiB"}, r"--max-gpu-memory caps a GPU.*drop it"),
+]
+
+
+@pytest.mark.parametrize("flags,pattern", [c[1:] for c in BAD_INPUT], ids=[c[0] for c in BAD_INPUT])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(files, tmp_path, flags, pattern):
+    names = {k: str(v) for k, v in files.items()} | {"d": str(tmp_path)}
+    out = tmp_path / "run"
+    flags = {k: v.format(**names) if isinstance(v, str) else v for k, v in flags.items()}
+    rc, _stdout, err = run_main(train_argv(out=out, **flags))
+    assert rc == 2
+    assert_one_line_error(err, pattern)
+    assert not out.exists()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a chmod-000 file anyway (the directory case covers "
+                                              "'cannot read' as root)")
+def test_unreadable_data_file(files, tmp_path):
+    path = tmp_path / "locked.jsonl"
+    path.write_text(files["few"].read_text())
+    path.chmod(0)
+    rc, _, err = run_main(train_argv(data=path, out=tmp_path / "run"))
+    assert rc == 2
+    assert_one_line_error(err, r"cannot read data file .*locked\.jsonl.*permissions")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("argv,pattern", [
+    (["train", "--model", "t5-tiny", "--batch-sise", "4"], r"unrecognized arguments: --batch-sise"),
+    (["train", "--model", "t5-tiny", "--precision", "fp8"], r"invalid choice: 'fp8'"),
+    (["train", "--model", "t5-tiny", "--src-len", "long"], r"invalid int value: 'long'"),
+])
+def test_argparse_errors_exit_2_with_usage(argv, pattern, capsys):
+    with pytest.raises(SystemExit) as caught:
+        main(argv)
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: fitone") and re.search(pattern, err) and "Traceback" not in err
+
+
+@pytest.fixture(scope="module")
+def finished_run(files, tmp_path_factory) -> tuple[Path, int, str]:
+    """A real 2-step run with checkpoints, on data where some examples are longer than --src-len."""
+    out = tmp_path_factory.mktemp("runs") / "run"
+    rc, stdout, _err = run_main(train_argv(data=files["long"], out=out, save_every=1))
+    return out, rc, stdout
+
+
+def test_long_examples_are_truncated_with_a_count_not_an_error(finished_run):
+    out, rc, stdout = finished_run
+    assert rc == 0
+    assert "10 of 40 examples were longer than --src-len 8 / --tgt-len 48 and were truncated" in stdout
+    assert (out / "final" / "config.json").is_file()
+
+
+def test_existing_run_is_left_untouched_without_resume_or_overwrite(finished_run, files):
+    out = finished_run[0]
+    before = tree_digest(out)
+    rc, _, err = run_main(train_argv(data=files["long"], out=out, save_every=1))
+    assert rc == 2
+    assert_one_line_error(err, r"already holds a run: add --resume to continue it, --overwrite to replace it")
+    assert tree_digest(out) == before
+
+
+def test_resume_refuses_a_checkpoint_of_another_model(finished_run, files):
+    out = finished_run[0]
+    before = tree_digest(out)
+    rc, _, err = run_main(train_argv(model="gpt2-tiny", data=files["text"], out=out, resume=True))
+    assert rc == 2
+    assert_one_line_error(err, r"step-00000002 is a checkpoint of model 't5-tiny', not 'gpt2-tiny': resume with "
+                               r"--model t5-tiny")
+    assert tree_digest(out) == before
+
+
+def test_overwrite_never_deletes_a_folder_fitone_did_not_write(tmp_path, files):
+    """--overwrite deletes the run dir; a folder of the user's own (here a saved model) is refused."""
+    mine = tmp_path / "my-model"
+    mine.mkdir()
+    (mine / "config.json").write_text(json.dumps({"model_type": "t5"}))
+    (mine / "model.safetensors").write_bytes(b"weights")
+    rc, _, err = run_main(train_argv(data=files["few"], batch_size="1", out=mine, overwrite=True))
+    assert rc == 2
+    assert_one_line_error(err, r"not a fitone run, and --overwrite would delete them")
+    assert (mine / "model.safetensors").read_bytes() == b"weights"
+
+
+def _subprocess(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fitone", *argv], cwd=cwd, env=child_env(), capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_bad_input_through_a_real_process(finished_run, files, tmp_path):
+    """The console path end to end: exit status 2 and a single line on stderr, no traceback."""
+    missing = _subprocess(train_argv(data="missing.jsonl", out=tmp_path / "run"), cwd=tmp_path)
+    assert missing.returncode == 2
+    assert_one_line_error(missing.stderr, r"missing\.jsonl does not exist: give a JSONL path")
+    assert not (tmp_path / "run").exists()
+
+    out = finished_run[0]
+    before = tree_digest(out)
+    existing = _subprocess(train_argv(data=files["long"], out=out), cwd=tmp_path)
+    assert existing.returncode == 2
+    assert_one_line_error(existing.stderr, r"already holds a run")
+    assert tree_digest(out) == before
