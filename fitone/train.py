@@ -56,6 +56,9 @@ class TrainResult:
     truncated_examples: int = 0
     lrs: list[float] = field(default_factory=list)  # learning rate after each optimizer step of this call
 
+    def __repr__(self) -> str:  # a notebook shows the summary, not every loss
+        return str(self)
+
     @property
     def final_loss(self) -> float | None:
         return self.losses[-1] if self.losses else None
@@ -269,6 +272,7 @@ class Trainer:
                         epoch, b, batch = next(stream)
                         loss = self._micro_step(batch, epoch, b)
                         step_loss += loss / self.accum
+                    step_loss = self._mean_over_ranks(step_loss)  # the loss of the whole global batch
                     if self.device == "cuda":
                         torch.cuda.synchronize()  # time the GPU's work, not just its queueing
                     dt = time.perf_counter() - t0
@@ -316,6 +320,15 @@ class Trainer:
         if host_full:
             self._abort(f"host RAM {used or memory.host_used_fraction():.0%} used, past the {cfg.host_mem_stop:.0%} "
                         "limit (host_mem_stop), before the kernel's OOM killer would end the run")
+
+    def _mean_over_ranks(self, loss: float) -> float:
+        if self.dist.world_size == 1:
+            return loss
+        import torch.distributed as dist
+
+        value = torch.tensor([loss], dtype=torch.float64, device=self.engine.device)
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        return float(value.item()) / self.dist.world_size
 
     def _agree(self, *flags: bool) -> list[bool]:
         """The same decisions on every rank: a signal, NaN or full host RAM seen by one rank stops all
@@ -434,18 +447,26 @@ class Trainer:
         """The quality number: exact match of greedy generations (seq2seq) or eval loss (causal)."""
         if self.eval_data is None or self.cfg.eval_examples == 0 or not self.dist.is_main:
             return {}
-        from fitone.data import collate
+        from fitone.data import IGNORE_INDEX, collate
 
         model = self.engine.module
         model.eval()
         n = min(self.cfg.eval_examples, len(self.eval_data))
         examples = self.eval_data.examples[:n]
         tok = self.loaded.tokenizer
-        hits, losses = 0, []
+        hits, losses, right, counted = 0, [], 0, 0
         for i in range(0, n, 16):
             chunk = examples[i:i + 16]
             batch = {k: v.to(self.engine.device) for k, v in collate(chunk, self.eval_data.task, self.pad_id).items()}
-            losses.append(float(model(**batch).loss.float()))
+            out = model(**batch)
+            losses.append(float(out.loss.float()))
+            # next-token accuracy with the true prefix given (teacher forcing): moves long before exact match
+            labels = batch["labels"][:, 1:] if self.eval_data.task == CAUSAL else batch["labels"]
+            guess = out.logits.argmax(-1)[:, : labels.shape[1]] if self.eval_data.task == SEQ2SEQ else \
+                out.logits.argmax(-1)[:, :-1]
+            mask = labels != IGNORE_INDEX
+            right += int((guess == labels)[mask].sum())
+            counted += int(mask.sum())
             if self.eval_data.task == SEQ2SEQ:
                 out = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                                      max_new_tokens=self.cfg.tgt_len, do_sample=False, num_beams=1)
@@ -453,10 +474,11 @@ class Trainer:
                 hits += sum(t.strip() == r[self.eval_data_fields[1]].strip()
                             for t, r in zip(texts, self.eval_data.raw[i:i + 16]))
         model.train()
-        result = {"eval_loss": sum(losses) / len(losses)}
+        result = {"eval_loss": sum(losses) / len(losses), "token_accuracy": right / max(counted, 1)}
         if self.eval_data.task == SEQ2SEQ:
             result["exact_match"] = hits / n
         self._say("quality on " + f"{n} held-out examples: " + ", ".join(f"{k} {v:.3f}" for k, v in result.items()))
+        self.metrics.write({"step": self.state["step"], **result})  # `fitone report` draws it beside the loss
         return result
 
     @property
@@ -468,6 +490,7 @@ class Trainer:
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+        self.loaded = None  # the module and its tokenizer: a notebook's next run needs the memory back
         memory.free_memory()
 
     def _say(self, text: str) -> None:

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from fitone.cli import build_parser, main
-from fitone.cli.train import TRAIN_FLAGS, config_from_args
+from fitone.cli.options import config_from_args
+from fitone.cli.train import TRAIN_FLAGS
 from fitone.config import TrainConfig
 from fitone.ds_config import build_ds_config
 from fitone.errors import ConfigError

@@ -68,3 +68,20 @@ def add_config_flags(parser: argparse.ArgumentParser, names: Iterable[str]) -> N
 def given(args: argparse.Namespace, names: Iterable[str]) -> dict[str, Any]:
     """The config values the user typed (flags left out are absent, not None)."""
     return {n: getattr(args, n) for n in names if hasattr(args, n)}
+
+
+def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
+    """--recipe NAME and key=value overrides, shared by train, probe-batch and plan."""
+    parser.add_argument("--recipe", help="a built-in recipe (e.g. t5-3b/24gb; `fitone recipes` lists them) or a YAML file")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="override recipe values")
+
+
+def config_from_args(args: argparse.Namespace, names: Iterable[str]):
+    """Recipe values, then key=value overrides, then typed flags."""
+    from fitone.config import TrainConfig
+    from fitone.recipes import load_recipe, parse_overrides
+
+    overrides = {**parse_overrides(getattr(args, "overrides", []) or []), **given(args, names)}
+    if getattr(args, "recipe", None):
+        return load_recipe(args.recipe).config(**overrides)
+    return TrainConfig.from_dict(overrides)

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from fitone.cli.options import add_config_flags, given
+from fitone.cli.options import add_config_flags, add_recipe_arguments, config_from_args
 
 FLAGS = ("model", "from_scratch", "src_len", "tgt_len", "seq_len", "batch_size", "grad_accum", "global_batch",
          "precision", "activation_checkpointing", "offload", "ds_config", "max_gpu_memory", "device")
@@ -20,6 +20,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                     "(no weights, nothing allocated), and the largest micro-batch that fits. "
                     "Example: fitone plan --model t5-3b --gpu-mem 24GiB --src-len 128 --tgt-len 128",
     )
+    add_recipe_arguments(parser)
     add_config_flags(parser, FLAGS)
     parser.add_argument("--gpu-mem", metavar="SIZE",
                         help="memory of the card to plan for, e.g. 24GiB or 24GB (default: this machine's GPU; "
@@ -33,10 +34,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fitone.config import TrainConfig
     from fitone.plan import plan
 
-    cfg = TrainConfig.from_dict(given(args, FLAGS))
+    cfg = config_from_args(args, FLAGS)
     result = plan(cfg, gpu_mem=args.gpu_mem, gpus=args.gpus, host_mem=args.host_mem)
     print(json.dumps(result.to_dict(), indent=2) if args.json else result)
     if args.plot:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from fitone.cli.options import add_config_flags
-from fitone.cli.train import config_from_args
+from fitone.cli.options import add_config_flags, add_recipe_arguments, config_from_args
 
 # the train options that decide memory (and --global-batch, to split into micro-batch x accumulation)
 PROBE_FLAGS = ["model", "from_scratch", "data", "source_field", "target_field", "text_field", "src_len", "tgt_len",
@@ -22,8 +21,7 @@ def add_parser(sub) -> None:
                     "saved, and `fitone train --batch-size auto` reuses it.",
         epilog="example: fitone probe-batch --model t5-3b --from-scratch --data synthetic --src-len 128 "
                "--tgt-len 128 --precision fp16 --max-gpu-memory 23GiB --json probe.json --plot probe.png")
-    p.add_argument("--recipe", help="a built-in recipe (e.g. t5-tiny/cpu) or a YAML file")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="override recipe values")
+    add_recipe_arguments(p)
     add_config_flags(p, PROBE_FLAGS)
     p.add_argument("--max-batch", type=int, default=4096, help="largest size to try (default 4096)")
     p.add_argument("--max-trials", type=int, default=16, help="search trials before settling (default 16)")
