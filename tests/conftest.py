@@ -28,29 +28,24 @@ def cpu_config(**overrides) -> TrainConfig:
     return TrainConfig(**values)
 
 
-@pytest.fixture(scope="session")
-def tiny_t5_dir(tmp_path_factory) -> Path:
-    """A tiny T5 saved like a downloaded model: config, weights and tokenizer files."""
+def _save_tiny(name: str, path: Path) -> Path:
+    """A tiny model saved like a downloaded one: config, weights and tokenizer files."""
     from fitone.models import build_model, load_config
     from transformers import ByT5Tokenizer
 
-    path = tmp_path_factory.mktemp("models") / "tiny-t5"
-    model = build_model(load_config("t5-tiny", from_scratch=True))
-    model.save_pretrained(path)
+    build_model(load_config(name, from_scratch=True)).save_pretrained(path)
     ByT5Tokenizer().save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_t5_dir(tmp_path_factory) -> Path:
+    return _save_tiny("t5-tiny", tmp_path_factory.mktemp("models") / "tiny-t5")
 
 
 @pytest.fixture(scope="session")
 def tiny_gpt_dir(tmp_path_factory) -> Path:
-    from fitone.models import build_model, load_config
-    from transformers import ByT5Tokenizer
-
-    path = tmp_path_factory.mktemp("models") / "tiny-gpt"
-    model = build_model(load_config("gpt2-tiny", from_scratch=True))
-    model.save_pretrained(path)
-    ByT5Tokenizer().save_pretrained(path)
-    return path
+    return _save_tiny("gpt2-tiny", tmp_path_factory.mktemp("models") / "tiny-gpt")
 
 
 @pytest.fixture(scope="session")
