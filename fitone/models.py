@@ -134,6 +134,17 @@ def load_tokenizer(name: str, config: PretrainedConfig):
     return tok
 
 
+def position_limit(config: PretrainedConfig) -> int | None:
+    """Longest sequence a causal LM's position table holds; None where positions are relative (T5)."""
+    if getattr(config, "model_type", "") in ("t5", "mt5", "umt5"):
+        return None
+    for name in ("n_positions", "max_position_embeddings"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
 def enable_activation_checkpointing(model: PreTrainedModel) -> None:
     """Recompute activations in backward. HF models ignore DeepSpeed's own setting, so set it here."""
     kwargs = {"use_reentrant": False}

@@ -483,9 +483,9 @@ def save_cached(key: dict[str, Any], search: dict[str, Any], result: ProbeResult
 
 def _check_positions(cfg: TrainConfig, config) -> None:
     """A causal LM's --seq-len beyond its position table fails deep in forward (a device assert on a GPU)."""
-    from fitone.train import _position_limit
+    from fitone.models import position_limit
 
-    limit = _position_limit(config)
+    limit = position_limit(config)
     if task_of(config) == CAUSAL and limit is not None and cfg.seq_len > limit:
         raise ConfigError(f"--seq-len {cfg.seq_len} is beyond {cfg.model}'s {limit} positions: use --seq-len {limit} "
                           "or less")

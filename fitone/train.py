@@ -29,7 +29,7 @@ from fitone.errors import ConfigError, MemoryBudgetError, RunDirError, TrainingA
 from fitone.guards import BadStepStreak, HostMemoryWatch, StopRequest, is_loss_scale_collapse, numerics_advice
 from fitone.metrics import MetricsLog
 from fitone.models import (CAUSAL, SEQ2SEQ, LoadedModel, enable_activation_checkpointing, load_config, load_model,
-                           task_of)
+                           position_limit, task_of)
 
 
 @dataclass
@@ -163,7 +163,7 @@ class Trainer:
             raise ConfigError(f"--max-bad-steps must be a positive whole number; got {cfg.max_bad_steps!r}")
         config = load_config(cfg.model, from_scratch=cfg.from_scratch)  # a config only: no weights yet
         task = task_of(config)
-        limit = _position_limit(config)
+        limit = position_limit(config)
         if task == CAUSAL and limit is not None and cfg.seq_len > limit:
             raise ConfigError(f"--seq-len {cfg.seq_len} is beyond {cfg.model}'s {limit} positions: use --seq-len "
                               f"{limit} or less")
@@ -521,14 +521,6 @@ def _batch_lengths(batch: dict[str, torch.Tensor], task: str) -> str:
     if task == SEQ2SEQ:
         return f"{n} examples x {width} input tokens and {batch['labels'].shape[1]} target tokens"
     return f"{n} examples x {width} tokens"
-
-
-def _position_limit(config) -> int | None:
-    for name in ("n_positions", "max_position_embeddings"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and getattr(config, "model_type", "") not in ("t5", "mt5", "umt5"):
-            return value
-    return None
 
 
 def _json(values: dict[str, Any]) -> str:
