@@ -40,6 +40,14 @@ def test_engine_is_zero2_with_cpu_adam():
         assert run.engine.ds.zero_optimization_stage() == 2
         assert run.engine.ds.zero_cpu_offload()
         assert run.loaded.model.is_gradient_checkpointing
+        # facts of DeepSpeed's CPU accelerator: gloo, and the launcher's env vars filled in-process
+        import os
+
+        import torch.distributed as dist
+
+        assert dist.get_backend() == "gloo"
+        assert {os.environ[k] for k in ("RANK", "LOCAL_RANK")} == {"0"} and os.environ["WORLD_SIZE"] == "1"
+        assert int(os.environ["MASTER_PORT"]) > 0
     finally:
         run.cleanup()
 
