@@ -10,7 +10,7 @@ import logging
 import os
 import socket
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stdout
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -76,14 +76,28 @@ def apply_gpu_cap(cfg: TrainConfig) -> None:
         raise DeviceError(f"--max-gpu-memory {cfg.max_gpu_memory}: {exc}; give a smaller cap") from exc
 
 
+_VERBOSE = False
+
+
 def quiet_logs(verbose: bool) -> None:
     """DeepSpeed and transformers print a lot at init; keep it for --verbose."""
-    level = logging.INFO if verbose else logging.WARNING
+    global _VERBOSE
+    _VERBOSE = verbose
     from deepspeed.utils import logger as ds_logger
     import transformers
 
-    ds_logger.setLevel(level)
-    transformers.logging.set_verbosity(level if verbose else logging.ERROR)
+    ds_logger.setLevel(logging.INFO if verbose else logging.ERROR)
+    transformers.logging.set_verbosity(logging.INFO if verbose else logging.ERROR)
+
+
+@contextmanager
+def ds_chatter() -> Iterator[None]:
+    """DeepSpeed prints ('... built successfully') straight to stdout; keep that for --verbose too."""
+    if _VERBOSE:
+        yield
+        return
+    with open(os.devnull, "w") as sink, redirect_stdout(sink):
+        yield
 
 
 def init_distributed(device: str) -> DistInfo:
@@ -91,10 +105,19 @@ def init_distributed(device: str) -> DistInfo:
     import deepspeed
 
     if not torch.distributed.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo", verbose=False)
+        with ds_chatter():
+            deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo", verbose=False)
     if device == "cuda":
         torch.cuda.set_device(info.local_rank)
     return info
+
+
+def cpu_adam_built() -> bool:
+    """Whether DeepSpeed's cpu_adam is already compiled in the torch extensions cache (else ~1-2 min)."""
+    from pathlib import Path
+
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
+    return any(root.glob("cpu_adam/*.so")) or any(root.glob("*/cpu_adam/*.so"))  # with or without a py/cuda level
 
 
 class Engine:
@@ -105,9 +128,10 @@ class Engine:
 
         start = time.perf_counter()
         self.ds_config = ds_config
-        self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
-            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config
-        )
+        with ds_chatter():
+            self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
+                model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config
+            )
         self.init_s = time.perf_counter() - start
 
     @property

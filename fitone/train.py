@@ -24,7 +24,8 @@ from fitone.config import TrainConfig, gib
 from fitone.data import (Dataset, batches, data_file, load_dataset, read_jsonl, require_one_batch, resume_position,
                          steps_per_epoch)
 from fitone.ds_config import build_ds_config, read_user_config
-from fitone.engine import DistInfo, Engine, apply_gpu_cap, init_distributed, quiet_logs, resolve_device
+from fitone.engine import (DistInfo, Engine, apply_gpu_cap, cpu_adam_built, init_distributed, quiet_logs,
+                           resolve_device)
 from fitone.errors import ConfigError, MemoryBudgetError, RunDirError, TrainingAborted
 from fitone.guards import BadStepStreak, HostMemoryWatch, StopRequest, is_loss_scale_collapse, numerics_advice
 from fitone.metrics import MetricsLog
@@ -219,6 +220,8 @@ class Trainer:
         ds_config = build_ds_config(self.cfg, micro_batch=self.micro_batch, world_size=self.dist.world_size,
                                     total_steps=self.total_steps, on_gpu=self.device == "cuda")
         memory.reset_gpu_peak()
+        if self.cfg.offload == "cpu" and not cpu_adam_built():
+            self._say("building DeepSpeed's CPU Adam once for this machine (1-2 minutes; cached for later runs)")
         self.engine = Engine(self.loaded.model, ds_config)
         self.state = {"step": 0, "epoch": 0, "batch": 0}
         self.resumed_step: int | None = None  # read now: that checkpoint may be pruned before the run ends
