@@ -160,8 +160,6 @@ class Trainer:
     def _check_inputs(self) -> None:
         """Cheap checks of the model name, lengths, batch arithmetic, --ds-config and the data file."""
         cfg = self.cfg
-        if isinstance(cfg.max_bad_steps, bool) or not isinstance(cfg.max_bad_steps, int) or cfg.max_bad_steps <= 0:
-            raise ConfigError(f"--max-bad-steps must be a positive whole number; got {cfg.max_bad_steps!r}")
         config = load_config(cfg.model, from_scratch=cfg.from_scratch)  # a config only: no weights yet
         task = task_of(config)
         limit = position_limit(config)

@@ -55,3 +55,12 @@ def test_accumulation_from_global_batch():
     with pytest.raises(ConfigError, match="not a multiple"):
         cfg.accumulation(24)
     assert TrainConfig(grad_accum=3).accumulation(8) == 3
+
+
+def test_host_memory_thresholds_must_be_ordered_fractions():
+    with pytest.raises(ConfigError, match="--host-mem-warn <= --host-mem-stop"):
+        TrainConfig(host_mem_warn=0.96, host_mem_stop=0.9)
+    with pytest.raises(ConfigError, match="--host-mem-warn"):
+        TrainConfig(host_mem_stop=1.5)
+    with pytest.raises(ConfigError, match="--max-bad-steps"):
+        TrainConfig(max_bad_steps=0)

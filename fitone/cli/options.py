@@ -49,6 +49,8 @@ FLAGS: dict[str, tuple[Any, str]] = {
     "progress": (bool, "show a progress bar"),
     "preflight": (bool, "check host RAM against the plan before building the engine (--no-preflight skips)"),
     "max_bad_steps": (int, "stop after this many consecutive NaN/overflow steps"),
+    "host_mem_warn": (float, "warn when host RAM use passes this fraction (default 0.90)"),
+    "host_mem_stop": (float, "checkpoint and stop when host RAM use passes this fraction (default 0.95)"),
 }
 
 
