@@ -63,7 +63,7 @@ def load_config(name: str, *, from_scratch: bool) -> PretrainedConfig:
 
 def _not_found(name: str) -> str:
     where = "local directory" if os.path.sep in name or name.startswith(".") else "model id"
-    hint = f"; or add --from-scratch to build it with random weights" if name in shipped_models() else ""
+    hint = "; or add --from-scratch to build it with random weights" if name in shipped_models() else ""
     return (
         f"cannot load {where} {name!r}: not a directory with config.json and not in the local Hugging Face cache "
         f"(no network or unknown id): give a local path saved with save_pretrained{hint}"

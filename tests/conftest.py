@@ -6,6 +6,8 @@ on the GPU instead (DeepSpeed's CPU accelerator refuses it).
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 from pathlib import Path
@@ -16,7 +18,10 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "fito
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+from fitone.cli import main  # noqa: E402
 from fitone.config import TrainConfig  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def cpu_config(**overrides) -> TrainConfig:
@@ -57,3 +62,28 @@ def text_jsonl(tmp_path_factory) -> Path:
         for i in range(400):
             f.write(json.dumps({"text": " ".join(words[(i + k) % 4] for k in range(6))}) + "\n")
     return path
+
+
+# -- the CLI, in this process and as a child process ---------------------------------------------
+# the CLI twin of cpu_config (batch 4), so a run started by the CLI resumes through fitone.train
+CLI_RUN = ["--model", "t5-tiny", "--from-scratch", "--data", "sample", "--src-len", "8", "--tgt-len", "48",
+           "--batch-size", "4", "--lr", "3e-3", "--seed", "0", "--precision", "fp32", "--device", "cpu",
+           "--eval-examples", "0", "--no-progress"]
+
+
+def run_main(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(argv)
+    return rc, out.getvalue(), err.getvalue()
+
+
+def child_env() -> dict[str, str]:
+    """Environment for a child `python -m fitone`: this checkout importable, one OpenMP thread (no
+    spinning against the test process on a shared machine), and without the torch.distributed
+    variables an in-process run set here (the child would reuse a port in use)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"
+    return env

@@ -18,7 +18,7 @@ from fitone.errors import RunDirError
 from fitone.metrics import MetricsLog, read_metrics
 
 from conftest import cpu_config
-from test_cli import CLI_RUN, child_env
+from conftest import CLI_RUN, child_env
 
 # SIGKILL arrives while DeepSpeed is writing the optimizer file of the second checkpoint: half of
 # that file is on disk, the rest never comes. Patched in a child process only; fitone has no hook.

@@ -6,9 +6,7 @@ Every case goes through `fitone.cli.main` (what the console script runs); two al
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import io
 import json
 import os
 import re
@@ -18,14 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from conftest import child_env, run_main
 from fitone.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
-
-# the CLI twin of conftest.cpu_config (batch 4), so a run started by the CLI resumes through fitone.train
-CLI_RUN = ["--model", "t5-tiny", "--from-scratch", "--data", "sample", "--src-len", "8", "--tgt-len", "48",
-           "--batch-size", "4", "--lr", "3e-3", "--seed", "0", "--precision", "fp32", "--device", "cpu",
-           "--eval-examples", "0", "--no-progress"]
 
 # a fast CPU run of the tiny T5 for bad-input cases; a value of None drops the flag
 BASE = {"--model": "t5-tiny", "--from-scratch": True, "--device": "cpu", "--precision": "fp32", "--src-len": "8",
@@ -42,24 +36,6 @@ def train_argv(**flags) -> list[str]:
         elif value is not None:
             argv += [flag, str(value)]
     return argv
-
-
-def run_main(argv: list[str]) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = main(argv)
-    return rc, out.getvalue(), err.getvalue()
-
-
-def child_env() -> dict[str, str]:
-    """Environment for a child `python -m fitone`: this checkout importable, one OpenMP thread (no
-    spinning against the test process on a shared machine), and without the torch.distributed
-    variables an in-process run set here (the child would reuse a port in use)."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")
-    env["OMP_NUM_THREADS"] = "1"
-    return env
 
 
 def assert_one_line_error(err: str, pattern: str) -> str:

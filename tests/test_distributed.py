@@ -9,7 +9,6 @@ over its own tokens and ZeRO-2 averages the ranks' gradients, so padding weighs 
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -19,7 +18,7 @@ import pytest
 from transformers import AutoModelForSeq2SeqLM
 
 import fitone
-from conftest import cpu_config
+from conftest import child_env, cpu_config
 
 ARGS = ["--model", "t5-tiny", "--from-scratch", "--data", "sample", "--src-len", "8", "--tgt-len", "48",
         "--precision", "fp32", "--device", "cpu", "--eval-examples", "0", "--no-progress", "--lr", "3e-3",
@@ -32,10 +31,7 @@ def _torchrun(out: Path, *extra: str) -> subprocess.CompletedProcess:
         port = sock.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port),
            "-m", "fitone", "train", *ARGS, "--batch-size", "8", "--out", str(out), *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(var, None)
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    return subprocess.run(cmd, capture_output=True, text=True, env=child_env(), timeout=600)
 
 
 def _losses(out: Path) -> list[float]:

@@ -26,7 +26,7 @@ from fitone.models import SEQ2SEQ
 from fitone.train import Trainer
 
 from conftest import cpu_config
-from test_cli import CLI_RUN, child_env, run_main  # the CLI helpers, shared
+from conftest import CLI_RUN, child_env, run_main  # the CLI helpers, shared
 
 def one_fitone_line(err: str) -> str:
     assert "Traceback" not in err, err

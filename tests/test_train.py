@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
 import fitone
 from fitone.errors import RunDirError
