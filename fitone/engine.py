@@ -120,6 +120,16 @@ def cpu_adam_built() -> bool:
     return any(root.glob("cpu_adam/*.so")) or any(root.glob("*/cpu_adam/*.so"))  # with or without a py/cuda level
 
 
+def start_runtime(cfg: TrainConfig, device: str) -> DistInfo:
+    """What every engine needs first, for training and probing alike: quiet logs, the process group,
+    and the GPU cap."""
+    quiet_logs(cfg.verbose)
+    info = init_distributed(device)
+    if device == "cuda":
+        apply_gpu_cap(cfg)
+    return info
+
+
 class Engine:
     """A DeepSpeed ZeRO-2 engine around a model, with the few operations training and probing need."""
 

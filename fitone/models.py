@@ -26,7 +26,7 @@ from transformers import (
     PreTrainedModel,
 )
 
-from fitone.errors import ModelError
+from fitone.errors import ConfigError, ModelError
 
 CONFIG_DIR = Path(__file__).parent / "model_configs"
 
@@ -143,6 +143,13 @@ def position_limit(config: PretrainedConfig) -> int | None:
         if isinstance(value, int):
             return value
     return None
+
+
+def check_seq_len(config: PretrainedConfig, seq_len: int, name: str) -> None:
+    """A causal LM's --seq-len beyond its position table fails deep in forward (a device assert on a GPU)."""
+    limit = position_limit(config)
+    if task_of(config) == CAUSAL and limit is not None and seq_len > limit:
+        raise ConfigError(f"--seq-len {seq_len} is beyond {name}'s {limit} positions: use --seq-len {limit} or less")
 
 
 def enable_activation_checkpointing(model: PreTrainedModel) -> None:

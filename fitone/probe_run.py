@@ -28,9 +28,10 @@ from fitone import memory
 from fitone.config import TrainConfig
 from fitone.data import Dataset, load_dataset, worst_case_batch
 from fitone.ds_config import build_ds_config
-from fitone.engine import Engine, apply_gpu_cap, init_distributed, quiet_logs, resolve_device
+from fitone.engine import Engine, resolve_device, start_runtime
 from fitone.errors import ConfigError
-from fitone.models import CAUSAL, build_model, enable_activation_checkpointing, load_config, load_tokenizer, task_of
+from fitone.models import (CAUSAL, build_model, check_seq_len, enable_activation_checkpointing, load_config,
+                           load_tokenizer, task_of)
 from fitone.probe import ProbeResult, TrialResult, _check_arguments, search_batch_size
 
 Say = Callable[[str], None]
@@ -73,7 +74,7 @@ def probe_batch(
                      verify_steps=verify_steps, trial_steps=1)
     device, world_size = prepare(cfg)
     config = load_config(cfg.model, from_scratch=cfg.from_scratch)
-    _check_positions(cfg, config)
+    check_seq_len(config, cfg.seq_len, cfg.model)
     key = probe_key(cfg, config, device, world_size)
     search = {"max_batch": max_batch, "max_trials": max_trials, "margin": margin, "verify_steps": verify_steps}
     cached = read_cached(key, search) if use_cache else None
@@ -176,10 +177,7 @@ def prepare(cfg: TrainConfig) -> tuple[str, int]:
     if not cfg.model:
         raise ConfigError("no model given: pass --model NAME_OR_PATH (or --recipe NAME)")
     device = resolve_device(cfg)
-    quiet_logs(cfg.verbose)
-    info = init_distributed(device)
-    if device == "cuda":
-        apply_gpu_cap(cfg)
+    info = start_runtime(cfg, device)
     if info.world_size > 1:
         raise ConfigError(f"probe-batch runs on one GPU, but this is rank {info.rank} of {info.world_size}: run "
                           "`fitone probe-batch` without a launcher, then train with --batch-size N")
@@ -480,16 +478,6 @@ def save_cached(key: dict[str, Any], search: dict[str, Any], result: ProbeResult
 # ================================================================================================
 # helpers
 # ================================================================================================
-
-def _check_positions(cfg: TrainConfig, config) -> None:
-    """A causal LM's --seq-len beyond its position table fails deep in forward (a device assert on a GPU)."""
-    from fitone.models import position_limit
-
-    limit = position_limit(config)
-    if task_of(config) == CAUSAL and limit is not None and cfg.seq_len > limit:
-        raise ConfigError(f"--seq-len {cfg.seq_len} is beyond {cfg.model}'s {limit} positions: use --seq-len {limit} "
-                          "or less")
-
 
 def _measured(result: ProbeResult) -> str:
     m = result.meta

@@ -24,13 +24,12 @@ from fitone.config import TrainConfig, gib
 from fitone.data import (Dataset, batches, data_file, load_dataset, read_jsonl, require_one_batch, resume_position,
                          steps_per_epoch)
 from fitone.ds_config import build_ds_config, read_user_config
-from fitone.engine import (DistInfo, Engine, apply_gpu_cap, cpu_adam_built, init_distributed, quiet_logs,
-                           resolve_device)
+from fitone.engine import DistInfo, Engine, cpu_adam_built, resolve_device, start_runtime
 from fitone.errors import ConfigError, MemoryBudgetError, RunDirError, TrainingAborted
 from fitone.guards import BadStepStreak, HostMemoryWatch, StopRequest, is_loss_scale_collapse, numerics_advice
 from fitone.metrics import MetricsLog
-from fitone.models import (CAUSAL, SEQ2SEQ, LoadedModel, enable_activation_checkpointing, load_config, load_model,
-                           position_limit, task_of)
+from fitone.models import (CAUSAL, SEQ2SEQ, LoadedModel, check_seq_len, enable_activation_checkpointing, load_config,
+                           load_model, task_of)
 
 
 @dataclass
@@ -114,10 +113,7 @@ class Trainer:
         self.resume_from = self._check_run_dir()
         self.device = resolve_device(cfg)
         self._check_inputs()
-        quiet_logs(cfg.verbose)
-        self.dist: DistInfo = init_distributed(self.device)
-        if self.device == "cuda":
-            apply_gpu_cap(cfg)
+        self.dist: DistInfo = start_runtime(cfg, self.device)
         # an 'auto' batch size is probed first, on its own model copy, before this run's weights load
         self.micro_batch = self._resolve_batch_size()
         self._setup_model()
@@ -162,10 +158,7 @@ class Trainer:
         cfg = self.cfg
         config = load_config(cfg.model, from_scratch=cfg.from_scratch)  # a config only: no weights yet
         task = task_of(config)
-        limit = position_limit(config)
-        if task == CAUSAL and limit is not None and cfg.seq_len > limit:
-            raise ConfigError(f"--seq-len {cfg.seq_len} is beyond {cfg.model}'s {limit} positions: use --seq-len "
-                              f"{limit} or less")
+        check_seq_len(config, cfg.seq_len, cfg.model)
         if cfg.ds_config:
             read_user_config(cfg.ds_config)
         if cfg.batch_size != "auto":
@@ -208,10 +201,8 @@ class Trainer:
         """Stop before the engine is built if host RAM cannot hold the offloaded optimizer states."""
         if not self.cfg.preflight:
             return
-        try:
-            from fitone.plan import preflight
-        except ImportError:  # plan arrives in its own module; train works without it
-            return
+        from fitone.plan import preflight
+
         preflight(self.cfg, micro_batch=self.micro_batch, world_size=self.dist.world_size)
 
     def _setup_engine(self) -> None:

@@ -245,11 +245,11 @@ def test_bad_input_is_one_line_naming_the_fix_and_exit_2(flags, fix, capsys):
 
 def test_a_cap_larger_than_the_gpu_is_refused(monkeypatch, capsys):
     """Fakes a 24 GiB GPU (this machine has none): device, distributed setup and the GPU's size."""
-    from fitone import memory
+    from fitone import engine, memory
     from fitone.engine import DistInfo
 
     monkeypatch.setattr(probe_run, "resolve_device", lambda cfg: "cuda")
-    monkeypatch.setattr(probe_run, "init_distributed", lambda device: DistInfo(0, 0, 1))
+    monkeypatch.setattr(engine, "init_distributed", lambda device: DistInfo(0, 0, 1))
     monkeypatch.setattr(memory, "gpu_total_bytes", lambda device=None: 24 * 1024**3)
     argv = ["probe-batch", "--model", "t5-tiny", "--from-scratch", "--max-gpu-memory", "80GiB"]
     assert main(argv) == 2
