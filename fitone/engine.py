@@ -11,7 +11,7 @@ import os
 import socket
 import time
 from contextlib import contextmanager, redirect_stdout
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterator
 
 import torch
@@ -26,6 +26,7 @@ class DistInfo:
     rank: int
     local_rank: int
     world_size: int
+    note: str = ""  # something the runtime changed that the user should hear about once
 
     @property
     def is_main(self) -> bool:
@@ -46,6 +47,25 @@ def ensure_dist_env() -> DistInfo:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
     return DistInfo(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
+
+
+def share_cpu_threads() -> str:
+    """Give each local rank its share of the cores when torchrun left OMP_NUM_THREADS at 1.
+
+    torchrun sets OMP_NUM_THREADS=1 for every rank when it is unset; DeepSpeedCPUAdam is OpenMP, so the
+    offloaded optimizer step would run on one core per rank. Must run before cpu_adam is loaded (its
+    OpenMP runtime reads the variable then). Any other value, or a run without torchrun, is left alone.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ or os.environ.get("OMP_NUM_THREADS") != "1":
+        return ""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    if threads == 1:
+        return ""
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    return (f"torchrun set OMP_NUM_THREADS=1; using {threads} CPU threads per rank for CPU Adam "
+            "(set OMP_NUM_THREADS to another value to choose)")
 
 
 def resolve_device(cfg: TrainConfig) -> str:
@@ -124,10 +144,11 @@ def start_runtime(cfg: TrainConfig, device: str) -> DistInfo:
     """What every engine needs first, for training and probing alike: quiet logs, the process group,
     and the GPU cap."""
     quiet_logs(cfg.verbose)
+    note = share_cpu_threads()
     info = init_distributed(device)
     if device == "cuda":
         apply_gpu_cap(cfg)
-    return info
+    return replace(info, note=note) if note else info
 
 
 class Engine:

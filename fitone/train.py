@@ -114,6 +114,8 @@ class Trainer:
         self.device = resolve_device(cfg)
         self._check_inputs()
         self.dist: DistInfo = start_runtime(cfg, self.device)
+        if self.dist.note:
+            self._say(self.dist.note)
         # an 'auto' batch size is probed first, on its own model copy, before this run's weights load
         self.micro_batch = self._resolve_batch_size()
         self._setup_model()

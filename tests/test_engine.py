@@ -1,5 +1,7 @@
 """Engine helpers that need no engine: the in-process distributed env and the JIT-build check."""
 
+import os
+
 import pytest
 
 from fitone.config import TrainConfig
@@ -20,7 +22,6 @@ def test_launcher_env_is_kept_and_a_single_process_gets_one(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     info = ensure_dist_env()
     assert (info.rank, info.local_rank, info.world_size) == (0, 0, 1) and info.is_main
-    import os
 
     assert os.environ["MASTER_ADDR"] == "127.0.0.1" and int(os.environ["MASTER_PORT"]) > 0
     monkeypatch.setenv("RANK", "3")
@@ -35,3 +36,28 @@ def test_fp16_and_gpu_cap_are_refused_on_the_cpu():
         resolve_device(TrainConfig(device="cpu", precision="fp16"))
     with pytest.raises(DeviceError, match="--max-gpu-memory"):
         resolve_device(TrainConfig(device="cpu", precision="fp32", max_gpu_memory="8GiB"))
+
+
+def test_torchrun_single_thread_default_is_replaced_by_a_share_of_the_cores(monkeypatch):
+    import torch
+
+    from fitone.engine import share_cpu_threads
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)), raising=False)
+    try:
+        # torchrun's default: OMP_NUM_THREADS=1 for each of 2 local ranks -> 16 threads each
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        assert "16 CPU threads per rank" in share_cpu_threads()
+        assert os.environ["OMP_NUM_THREADS"] == "16" and torch.get_num_threads() == 16
+        # a value the user chose is kept
+        monkeypatch.setenv("OMP_NUM_THREADS", "4")
+        assert share_cpu_threads() == "" and os.environ["OMP_NUM_THREADS"] == "4"
+        # no torchrun: nothing changes
+        monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        assert share_cpu_threads() == "" and os.environ["OMP_NUM_THREADS"] == "1"
+    finally:
+        torch.set_num_threads(before)
