@@ -26,7 +26,7 @@ from fitone import probe_run
 from fitone.cli import main
 from fitone.data import worst_case_batch
 from fitone.engine import Engine
-from fitone.errors import MemoryBudgetError
+from fitone.errors import ConfigError, MemoryBudgetError
 from fitone.models import build_model, load_config
 from fitone.probe import ProbeResult, TrialResult, search_batch_size
 from fitone.probe_run import ProbeSession, prepare, probe_batch, probe_key, read_cached, save_cached
@@ -275,6 +275,21 @@ def test_batch_size_auto_reuses_a_saved_probe_without_building_an_engine(monkeyp
     shown = capsys.readouterr().out
     assert "reusing the probe saved 2026-11-29T12:00:00" in shown
     assert "micro-batch 4 x 3 accumulation steps = --global-batch 12" in shown
+
+
+def test_batch_size_auto_under_several_ranks_reuses_the_one_gpu_probe_or_says_to_run_one(monkeypatch, cache_root):
+    """Fakes the launcher's two ranks (prepare's answer); the saved probe and its lookup are real."""
+    from fitone.probe_run import batch_size_for_training
+
+    monkeypatch.setattr(probe_run, "prepare", lambda cfg, ranks_ok=False: ("cpu", 2))
+    cfg = probe_config(batch_size="auto", global_batch=20)
+    with pytest.raises(ConfigError, match="needs a saved one-GPU probe: run `fitone probe-batch`"):
+        batch_size_for_training(cfg, say=lambda text: None)
+    saved = ProbeResult(trials=[TrialResult(6, fits=True, step_s=1.0, steps=3, purpose="verify")], largest_fit=6,
+                        chosen=6, margin=0.05, granularity=1, verified=True, best_throughput=6, cap_bytes=None,
+                        wall_s=60.0, meta={"model": "t5-tiny"})
+    save_cached(probe_key(cfg, load_config("t5-tiny", from_scratch=True), "cpu"), {"max_batch": 64}, saved)
+    assert batch_size_for_training(cfg, say=lambda text: None) == 5  # 20 = 5 per GPU x 2 GPUs x 2 steps
 
 
 def test_batch_size_auto_probes_frees_the_probe_then_trains_the_found_size(monkeypatch, cache_root, capsys):
