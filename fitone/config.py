@@ -82,6 +82,7 @@ class TrainConfig:
     offload: str = "cpu"
     ds_config: str | None = None
     max_gpu_memory: str | None = None
+    expandable_segments: bool = True  # CUDA allocator: grow segments in place instead of fragmenting
     device: str = "auto"
     # run directory
     out: str | None = None

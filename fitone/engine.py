@@ -145,6 +145,8 @@ def start_runtime(cfg: TrainConfig, device: str) -> DistInfo:
     and the GPU cap."""
     quiet_logs(cfg.verbose)
     note = share_cpu_threads()
+    if device == "cuda":
+        memory.use_expandable_segments(cfg.expandable_segments)  # before anything is allocated
     info = init_distributed(device)
     if device == "cuda":
         apply_gpu_cap(cfg)

@@ -438,6 +438,7 @@ def probe_key(cfg: TrainConfig, config, device: str, world_size: int = 1) -> dic
         "offload": cfg.offload, **lengths, "data": _data_key(cfg),
         "ds_config": _digest(Path(cfg.ds_config).read_bytes()) if cfg.ds_config else None,
         "device": device, "gpu": memory.gpu_name(), "max_gpu_memory_bytes": cfg.max_gpu_memory_bytes,
+        "expandable_segments": cfg.expandable_segments if device == "cuda" else None,
         "world_size": world_size, "fitone": fitone.__version__, "deepspeed": deepspeed.__version__,
     }
     return key

@@ -61,3 +61,21 @@ def test_torchrun_single_thread_default_is_replaced_by_a_share_of_the_cores(monk
         assert share_cpu_threads() == "" and os.environ["OMP_NUM_THREADS"] == "1"
     finally:
         torch.set_num_threads(before)
+
+
+def test_expandable_segments_are_switched_on_unless_the_user_configured_the_allocator(monkeypatch):
+    """The CPU has no CUDA allocator: the torch setter is replaced by a recorder (said here)."""
+    import torch
+
+    from fitone import memory
+
+    calls = []
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
+    for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
+        monkeypatch.delenv(var, raising=False)
+    assert memory.use_expandable_segments(True) and calls == ["expandable_segments:True"]
+    assert not memory.use_expandable_segments(False) and len(calls) == 1
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    assert not memory.use_expandable_segments(True) and len(calls) == 1  # the user's setting wins
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert memory.use_expandable_segments(False) and len(calls) == 1

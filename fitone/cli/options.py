@@ -38,6 +38,8 @@ FLAGS: dict[str, tuple[Any, str]] = {
     "offload": (OFFLOADS, "where the optimizer lives: cpu (ZeRO-Offload) or none (on the GPU)"),
     "ds_config": (str, "a DeepSpeed JSON file merged over the generated config"),
     "max_gpu_memory": (str, "cap the CUDA allocator, e.g. 23GiB, to stand for a smaller card"),
+    "expandable_segments": (bool, "CUDA allocator with expandable segments (less fragmentation; default "
+                                  "on unless PYTORCH_CUDA_ALLOC_CONF is set)"),
     "device": (DEVICES, "cuda, cpu, or auto (cuda when present)"),
     "out": (str, "run directory: metrics.jsonl, checkpoints/, final/"),
     "save_every": (int, "write a checkpoint every N steps"),
