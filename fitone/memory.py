@@ -81,7 +81,8 @@ def use_expandable_segments(enabled: bool) -> bool:
     if given is not None:
         return "expandable_segments:true" in given.replace(" ", "").lower()
     if enabled:
-        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+        setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None)  # torch >= 2.10's name
+        (setter or torch.cuda.memory._set_allocator_settings)("expandable_segments:True")
     return enabled
 
 

@@ -350,8 +350,8 @@ class Trainer:
                 kept = (f"; the last checkpoint {last} is intact: continue from it with --resume and the lower "
                         "--batch-size" if last else "")
                 raise MemoryBudgetError(
-                    f"GPU out of memory at step {step} on a batch of {_batch_lengths(batch, self.loaded.task)}, "
-                    f"longer than what --batch-size {self.micro_batch} was sized for: lower --batch-size, or run "
+                    f"GPU out of memory at step {step} with --batch-size {self.micro_batch} on a batch of "
+                    f"{_batch_lengths(batch, self.loaded.task)}: lower --batch-size, or run "
                     f"`fitone probe-batch` with this --data and these lengths to find a size that fits the longest "
                     f"examples{kept}"
                 ) from exc

@@ -71,6 +71,7 @@ def test_expandable_segments_are_switched_on_unless_the_user_configured_the_allo
 
     calls = []
     monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", calls.append, raising=False)
     for var in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         monkeypatch.delenv(var, raising=False)
     assert memory.use_expandable_segments(True) and calls == ["expandable_segments:True"]
