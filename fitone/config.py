@@ -80,6 +80,8 @@ class TrainConfig:
     precision: str = "fp16"
     activation_checkpointing: bool = True
     offload: str = "cpu"
+    delayed_update: bool = False  # one-step delayed parameter update (fitone.overlap): CPU Adam beside the GPU
+    delayed_update_after: int = 20  # plain steps first
     ds_config: str | None = None
     max_gpu_memory: str | None = None
     expandable_segments: bool = True  # CUDA allocator: grow segments in place instead of fragmenting
@@ -162,6 +164,10 @@ class TrainConfig:
             raise ConfigError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
         if self.offload not in OFFLOADS:
             raise ConfigError(f"--offload must be one of {', '.join(OFFLOADS)}, got {self.offload!r}")
+        if self.delayed_update and self.offload != "cpu":
+            raise ConfigError("--delayed-update overlaps the CPU optimizer with the GPU: it needs --offload cpu")
+        if self.delayed_update_after < 0:
+            raise ConfigError(f"--delayed-update-after must be 0 or more, got {self.delayed_update_after}")
         if self.device not in DEVICES:
             raise ConfigError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if not (self.lr > 0):

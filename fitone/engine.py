@@ -156,7 +156,9 @@ def start_runtime(cfg: TrainConfig, device: str) -> DistInfo:
 class Engine:
     """A DeepSpeed ZeRO-2 engine around a model, with the few operations training and probing need."""
 
-    def __init__(self, model: torch.nn.Module, ds_config: dict[str, Any]):
+    def __init__(self, model: torch.nn.Module, ds_config: dict[str, Any], *, delayed_after: int | None = None):
+        """delayed_after: start the one-step delayed parameter update after that many plain steps
+        (fitone.overlap); None keeps DeepSpeed's own step."""
         import deepspeed
 
         start = time.perf_counter()
@@ -165,7 +167,17 @@ class Engine:
             self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
                 model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config
             )
+        self.delayed = None
+        if delayed_after is not None:
+            from fitone.overlap import DelayedUpdate
+
+            self.delayed = DelayedUpdate(self.optimizer, after=delayed_after)
         self.init_s = time.perf_counter() - start
+
+    def sync_weights(self) -> None:
+        """Apply a pending delayed update to the weights (no-op without one): before anything reads them."""
+        if self.delayed is not None:
+            self.delayed.sync()
 
     @property
     def device(self) -> torch.device:
@@ -262,6 +274,7 @@ class Engine:
         memory.free_memory()
 
     def save(self, save_dir: str, tag: str, client_state: dict[str, Any]) -> None:
+        self.sync_weights()
         self.ds.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
 
     def load(self, load_dir: str, tag: str) -> dict[str, Any]:
@@ -269,14 +282,18 @@ class Engine:
                                                       load_lr_scheduler_states=True)
         if _path is None:
             raise FileNotFoundError(f"{load_dir}/{tag}")
+        if self.delayed is not None:  # a resumed run past its plain steps continues delayed, as it would have
+            self.delayed.applied = self.ds.global_steps - self.ds.skipped_steps
         return client_state or {}
 
     def close(self) -> None:
         """Free the engine's GPU and pinned host memory so a notebook can run another."""
         try:
+            if self.delayed is not None:
+                self.delayed.close()
             self.ds.destroy()
         finally:
-            del self.ds, self.optimizer, self.scheduler
+            del self.ds, self.optimizer, self.scheduler, self.delayed
             memory.free_memory()
 
 

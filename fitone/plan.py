@@ -433,6 +433,7 @@ class _Setup:
     overlap_comm: bool
     pin_memory: bool
     on_gpu: bool
+    delayed_update: bool = False  # a second fp32 gradient buffer (fitone.overlap)
 
     @property
     def w(self) -> int:
@@ -502,9 +503,13 @@ def _host_components(st: _Setup, offload: bool) -> list[Component]:
     if acc:
         comps.append(Component("accumulated grads", "buffers", acc,
                                f"{w} B/param{pinned}, gradient accumulation {st.accumulation} (line 1824)"))
+    spare = grads if st.delayed_update else 0
+    if spare:
+        comps.append(Component("delayed-update gradients", "gradients", spare,
+                               f"4 B/param{pinned}: the next step's gradients land beside the ones being applied"))
     if st.pin_memory:
-        exact = master + grads + staging + cpu_temp
-        rounded = pin(master) + pin(grads) + pin(staging) + pin(cpu_temp)
+        exact = master + grads + staging + cpu_temp + spare
+        rounded = pin(master) + pin(grads) + pin(staging) + pin(cpu_temp) + (pin(spare) if spare else 0)
         if acc:
             exact += acc
             rounded += sum(pin(w * numel) for numel in s.param_numels) // n
@@ -626,7 +631,8 @@ def _make_plan(cfg: TrainConfig, *, gpus: int, gpu_limit: int | None, gpu_limit_
     st = _Setup(shape=shape, precision=cfg.precision, checkpointing=cfg.activation_checkpointing, lengths=lengths,
                 gpus=gpus, accumulation=int(ds.get("gradient_accumulation_steps", 1)),
                 bucket=int(float(zero.get("reduce_bucket_size", 5e8))), overlap_comm=bool(zero.get("overlap_comm")),
-                pin_memory=bool(offload_cfg.get("pin_memory", False)), on_gpu=on_gpu)
+                pin_memory=bool(offload_cfg.get("pin_memory", False)), on_gpu=on_gpu,
+                delayed_update=cfg.delayed_update)
 
     def gpu_total(b: int, off: bool, setup: _Setup = st) -> int:
         return sum(c.bytes for c in _gpu_components(setup, off, b))

@@ -213,7 +213,11 @@ class Trainer:
         memory.reset_gpu_peak()
         if self.cfg.offload == "cpu" and not cpu_adam_built():
             self._say("building DeepSpeed's CPU Adam once for this machine (1-2 minutes; cached for later runs)")
-        self.engine = Engine(self.loaded.model, ds_config)
+        self.engine = Engine(self.loaded.model, ds_config,
+                             delayed_after=self.cfg.delayed_update_after if self.cfg.delayed_update else None)
+        if self.cfg.delayed_update:
+            self._say(f"delayed parameter update after {self.cfg.delayed_update_after} plain steps: each step's "
+                      "CPU Adam runs while the GPU computes the next step, on weights one update old")
         self.state = {"step": 0, "epoch": 0, "batch": 0}
         self.resumed_step: int | None = None  # read now: that checkpoint may be pruned before the run ends
         _seed(self.cfg.seed)  # dropout draws from here on; a resume replaces this with the checkpoint's RNG
@@ -280,6 +284,7 @@ class Trainer:
         finally:
             if bar is not None:
                 bar.close()
+        engine.sync_weights()  # the last step's update, when it was delayed
         if not self.bad.state_is_good:  # ended inside a NaN streak: neither checkpoint nor export those weights
             self._abort_numerics("the last step had a NaN/inf loss")
         if cfg.save_every and self.out:

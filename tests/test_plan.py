@@ -115,6 +115,14 @@ def test_two_gpus_halve_the_partitioned_host_states():
     assert two.host_total == 2 * sum(c.bytes for c in two.host)  # both ranks live on this host
 
 
+def test_the_delayed_update_adds_a_second_fp32_gradient_buffer_on_the_host():
+    plain = plan(**T5_3B, gpu_mem="24GiB", host_mem="256GiB")
+    delayed = plan(**T5_3B, gpu_mem="24GiB", host_mem="256GiB", delayed_update=True)
+    assert part(delayed, "host", "delayed-update gradients") == part(plain, "host", "fp32 gradients")
+    assert delayed.gpu_total == plain.gpu_total  # nothing more on the GPU
+    assert delayed.host_total > plain.host_total + part(plain, "host", "fp32 gradients")  # + pinned rounding
+
+
 # -- verdicts ----------------------------------------------------------------------------------------
 def test_verdicts():
     assert plan(**T5_3B, gpu_mem="24GiB", host_mem="256GiB").verdict == FITS_WITH_OFFLOAD

@@ -36,6 +36,9 @@ FLAGS: dict[str, tuple[Any, str]] = {
     "precision": (PRECISIONS, "fp16 (dynamic loss scaling), bf16 or fp32"),
     "activation_checkpointing": (bool, "recompute activations in backward (saves GPU memory)"),
     "offload": (OFFLOADS, "where the optimizer lives: cpu (ZeRO-Offload) or none (on the GPU)"),
+    "delayed_update": (bool, "run step N's CPU Adam while the GPU computes step N+1 on weights one update "
+                             "old (faster; off by default)"),
+    "delayed_update_after": (int, "plain steps before the delayed update starts (default 20)"),
     "ds_config": (str, "a DeepSpeed JSON file merged over the generated config"),
     "max_gpu_memory": (str, "cap the CUDA allocator, e.g. 23GiB, to stand for a smaller card"),
     "expandable_segments": (bool, "CUDA allocator with expandable segments (less fragmentation; default "

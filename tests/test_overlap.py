@@ -1,0 +1,153 @@
+"""The one-step delayed parameter update (fitone.overlap) on real DeepSpeed ZeRO-2 CPU-offload engines.
+
+Tiny T5 on the CPU in fp32 (DeepSpeed refuses fp16 there). What cannot be shown here is the speed: the
+point of the mode is a GPU busy while the CPU runs Adam; on a CPU both share the same cores.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+import fitone
+from conftest import cpu_config
+from fitone.ds_config import build_ds_config
+from fitone.engine import Engine, resolve_device, start_runtime
+from fitone.models import build_model, load_config
+
+
+def make_engine(delayed_after: int | None) -> Engine:
+    cfg = cpu_config(lr=1e-3, lr_schedule="constant", warmup_steps=0)  # grad_clip 1.0: the clip path runs
+    start_runtime(cfg, resolve_device(cfg))
+    torch.manual_seed(0)
+    model = build_model(load_config("t5-tiny", from_scratch=True))
+    ds = build_ds_config(cfg, micro_batch=4, world_size=1, total_steps=100, on_gpu=False)
+    return Engine(model, ds, delayed_after=delayed_after)
+
+
+def batch(step: int, vocab: int = 256) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    ids = torch.randint(3, vocab, (4, 8), generator=g)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+            "labels": torch.randint(3, vocab, (4, 6), generator=g)}
+
+
+def run(engine: Engine, steps: range, *, sync_each_step: bool = False, nan_at: int | None = None) -> list[dict]:
+    """Train on fixed batches; return the weights the forward of each step saw."""
+    seen = []
+    for step in steps:
+        seen.append({k: v.detach().clone() for k, v in engine.module.named_parameters()})
+        loss = engine.forward(batch(step))
+        engine.backward(loss * float("nan") if step == nan_at else loss)
+        engine.step()
+        if sync_each_step:
+            engine.sync_weights()
+    return seen
+
+
+def weights(engine: Engine) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in engine.module.named_parameters()}
+
+
+def close_to(a: dict, b: dict, atol: float = 1e-6) -> bool:
+    return all(torch.allclose(a[k], b[k], atol=atol, rtol=0) for k in a)
+
+
+def test_the_delayed_update_applied_at_once_is_deepspeeds_update():
+    """Same gradients in, same weights out: unscale/clip, AdamW on DeepSpeed's states, staging, upload, and
+    the swapped gradient buffers. Only *when* the update lands differs in the real mode."""
+    plain = make_engine(None)
+    try:
+        run(plain, range(1, 9))
+        expected = weights(plain)
+        norm = plain.optimizer._global_grad_norm
+    finally:
+        plain.close()
+    delayed = make_engine(2)
+    try:
+        run(delayed, range(1, 9), sync_each_step=True)
+        assert delayed.delayed.applied == 8 and delayed.delayed.spare is not None  # 6 delayed updates ran
+        got = weights(delayed)
+        assert float(norm) > 1.0  # the clip factor was part of it
+    finally:
+        delayed.close()
+    assert close_to(got, expected, atol=1e-6)
+    assert not close_to(got, weights_at_init(), atol=1e-3)
+
+
+def weights_at_init() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return {k: v.detach().clone() for k, v in build_model(load_config("t5-tiny", from_scratch=True)).named_parameters()}
+
+
+def test_after_the_plain_steps_each_forward_sees_the_weights_one_update_old():
+    engine = make_engine(2)
+    try:
+        seen = run(engine, range(1, 7))
+        engine.sync_weights()
+        final = weights(engine)
+        master = engine.optimizer.single_partition_of_fp32_groups[0].detach().clone()
+    finally:
+        engine.close()
+    # steps 1 and 2 are plain: each forward sees the previous step's update
+    assert not close_to(seen[1], seen[0]) and not close_to(seen[2], seen[1])
+    # step 3's update is still running when step 4's forward starts: step 4 sees step 2's weights
+    assert close_to(seen[3], seen[2], atol=0)
+    # from then on one update lands per step (step 3's before step 5's forward, ...)
+    assert not close_to(seen[4], seen[3]) and not close_to(seen[5], seen[4])
+    # after sync the module holds the fp32 master weights (fp32 run: equal, not close)
+    flat = torch.cat([final[k].flatten() for k in final])
+    assert torch.equal(flat, master[: flat.numel()])
+
+
+def test_an_overflowed_step_is_dropped_and_the_pending_update_still_lands():
+    """A NaN loss at a delayed step (DeepSpeed checks gradients for inf/NaN in fp32 too): skipped, not
+    applied; the earlier step's update, already running, lands as usual."""
+    twin = make_engine(1)
+    try:
+        run(twin, range(1, 4))
+        twin.sync_weights()
+        expected = weights(twin)
+    finally:
+        twin.close()
+    engine = make_engine(1)
+    try:
+        run(engine, range(1, 5), nan_at=4)
+        assert engine.skipped_steps == 1 and not engine.last_step_applied
+        engine.sync_weights()
+        got = weights(engine)
+    finally:
+        engine.close()
+    assert all(torch.isfinite(v).all() for v in got.values())
+    assert close_to(got, expected, atol=0)
+
+
+def test_train_with_the_delayed_update_learns_exports_and_resumes(tmp_path):
+    common = dict(max_steps=24, lr=1e-3, lr_schedule="constant", warmup_steps=0, batch_size=8,
+                  delayed_update=True, delayed_update_after=4)
+    straight = fitone.train(cpu_config(**common, out=str(tmp_path / "straight"), save_every=12))
+    assert all(math.isfinite(x) for x in straight.losses) and straight.skipped_steps == 0
+    assert sum(straight.losses[-6:]) < 0.6 * sum(straight.losses[:6])
+    # the export is the synced weights: it loads without DeepSpeed and gives the same eval loss twice
+    from transformers import AutoModelForSeq2SeqLM
+
+    model = AutoModelForSeq2SeqLM.from_pretrained(straight.final_dir)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    # stop at 12 (a checkpoint syncs the pending update), resume to 24: the same curve as straight through
+    out = tmp_path / "run"
+    fitone.train(cpu_config(**{**common, "max_steps": 12}, out=str(out), save_every=12))
+    resumed = fitone.train(cpu_config(**common, out=str(out), resume=True, save_every=12))
+    assert resumed.resumed_from == 12
+    assert resumed.losses == pytest.approx(straight.losses[12:], rel=1e-5, abs=1e-6)
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 25))
+
+
+def test_the_delayed_update_needs_the_cpu_optimizer():
+    from fitone.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="needs --offload cpu"):
+        cpu_config(delayed_update=True, offload="none").validate()
