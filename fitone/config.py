@@ -82,6 +82,7 @@ class TrainConfig:
     offload: str = "cpu"
     delayed_update: bool = False  # one-step delayed parameter update (fitone.overlap): CPU Adam beside the GPU
     delayed_update_after: int = 20  # plain steps first
+    pipelined_update: bool = False  # the update pipelined into the next forward (fitone.overlap), one GPU
     ds_config: str | None = None
     max_gpu_memory: str | None = None
     expandable_segments: bool = True  # CUDA allocator: grow segments in place instead of fragmenting
@@ -164,8 +165,11 @@ class TrainConfig:
             raise ConfigError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
         if self.offload not in OFFLOADS:
             raise ConfigError(f"--offload must be one of {', '.join(OFFLOADS)}, got {self.offload!r}")
-        if self.delayed_update and self.offload != "cpu":
-            raise ConfigError("--delayed-update overlaps the CPU optimizer with the GPU: it needs --offload cpu")
+        if self.delayed_update and self.pipelined_update:
+            raise ConfigError("give --delayed-update or --pipelined-update, not both")
+        for flag, on in (("--delayed-update", self.delayed_update), ("--pipelined-update", self.pipelined_update)):
+            if on and self.offload != "cpu":
+                raise ConfigError(f"{flag} overlaps the CPU optimizer with the GPU: it needs --offload cpu")
         if self.delayed_update_after < 0:
             raise ConfigError(f"--delayed-update-after must be 0 or more, got {self.delayed_update_after}")
         if self.device not in DEVICES:

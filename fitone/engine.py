@@ -156,9 +156,10 @@ def start_runtime(cfg: TrainConfig, device: str) -> DistInfo:
 class Engine:
     """A DeepSpeed ZeRO-2 engine around a model, with the few operations training and probing need."""
 
-    def __init__(self, model: torch.nn.Module, ds_config: dict[str, Any], *, delayed_after: int | None = None):
-        """delayed_after: start the one-step delayed parameter update after that many plain steps
-        (fitone.overlap); None keeps DeepSpeed's own step."""
+    def __init__(self, model: torch.nn.Module, ds_config: dict[str, Any], *, delayed_after: int | None = None,
+                 pipelined: bool = False):
+        """delayed_after: start the one-step delayed parameter update after that many plain steps;
+        pipelined: the pipelined update from the second step (fitone.overlap). Default: DeepSpeed's step."""
         import deepspeed
 
         start = time.perf_counter()
@@ -167,17 +168,21 @@ class Engine:
             self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
                 model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config
             )
-        self.delayed = None
+        self.overlap = None
         if delayed_after is not None:
             from fitone.overlap import DelayedUpdate
 
-            self.delayed = DelayedUpdate(self.optimizer, after=delayed_after)
+            self.overlap = DelayedUpdate(self.optimizer, after=delayed_after)
+        elif pipelined:
+            from fitone.overlap import PipelinedUpdate
+
+            self.overlap = PipelinedUpdate(self.optimizer, self.ds.module, after=1)
         self.init_s = time.perf_counter() - start
 
     def sync_weights(self) -> None:
-        """Apply a pending delayed update to the weights (no-op without one): before anything reads them."""
-        if self.delayed is not None:
-            self.delayed.sync()
+        """Apply a pending overlapped update to the weights (no-op without one): before anything reads them."""
+        if self.overlap is not None:
+            self.overlap.sync()
 
     @property
     def device(self) -> torch.device:
@@ -192,6 +197,8 @@ class Engine:
         return self.ds(**batch).loss
 
     def backward(self, loss: torch.Tensor) -> None:
+        if self.overlap is not None:
+            self.overlap.before_backward()
         self.ds.backward(loss)
 
     def step(self) -> None:
@@ -282,18 +289,18 @@ class Engine:
                                                       load_lr_scheduler_states=True)
         if _path is None:
             raise FileNotFoundError(f"{load_dir}/{tag}")
-        if self.delayed is not None:  # a resumed run past its plain steps continues delayed, as it would have
-            self.delayed.applied = self.ds.global_steps - self.ds.skipped_steps
+        if self.overlap is not None:  # a resumed run past its plain steps continues overlapped, as it would have
+            self.overlap.applied = self.ds.global_steps - self.ds.skipped_steps
         return client_state or {}
 
     def close(self) -> None:
         """Free the engine's GPU and pinned host memory so a notebook can run another."""
         try:
-            if self.delayed is not None:
-                self.delayed.close()
+            if self.overlap is not None:
+                self.overlap.close()
             self.ds.destroy()
         finally:
-            del self.ds, self.optimizer, self.scheduler, self.delayed
+            del self.ds, self.optimizer, self.scheduler, self.overlap
             memory.free_memory()
 
 

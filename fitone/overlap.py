@@ -1,94 +1,78 @@
-"""One-step delayed parameter update (the ZeRO-Offload paper's DPU) over DeepSpeed's ZeRO-2 CPU offload.
+"""The CPU optimizer step of DeepSpeed's ZeRO-2 offload, overlapped with GPU work: two experimental modes.
 
 In a ZeRO-2 offload step the GPU waits while the CPU unscales and clips the gradients, runs Adam over
-every parameter and stages the new 16-bit weights (~1.2 s of a 2.3 s t5-3b step at micro-batch 64 on an
-H200; bench/NOTES.md). Here that CPU work for step N runs in a background thread while the GPU runs the
-forward and backward of step N+1 with the weights of step N-1; the new weights are uploaded at the end
-of step N+1's backward. So every gradient is computed at weights one update old.
+every parameter and stages the new 16-bit weights for upload (~1.2 s of a 2.3 s t5-3b step at
+micro-batch 64 on an H200; bench/NOTES.md). Both modes move that CPU work into a background thread:
 
-What stays as in DeepSpeed's own step: the overflow check and loss-scale update (fp16) and the gradient
-norm are decided on the main thread, on this step's gradients, before anything is handed over — an
-overflowed step is dropped exactly as DeepSpeed drops it, never applied. The thread gets its own copy of
-the learning rate and betas of this step, and a second host gradient buffer so the next backward's
-gradients land beside, not over, the ones being applied.
+- `DelayedUpdate` (the ZeRO-Offload paper's DPU): step N's update runs while the GPU computes step N+1
+  on the weights of step N-1; the new weights go up at the end of step N+1's backward. Every gradient is
+  taken at weights one update old, which changes training (README, bench/NOTES.md).
+- `PipelinedUpdate`: step N's update runs chunk by chunk in the order the forward uses the weights, each
+  chunk uploaded as soon as it is done, while step N+1's forward runs; a module's forward waits only
+  for the chunks that hold its own weights. Nothing is stale: the arithmetic is DeepSpeed's step.
 
-The update in the thread uses PyTorch's fused CPU AdamW on DeepSpeedCPUAdam's own state tensors:
-DeepSpeed's `adam_update` keeps Python's GIL for the whole call (it is bound without releasing it),
-which would stall the main thread's kernel launches; PyTorch ops release it.
+What stays as in DeepSpeed's own step in both: the overflow check and loss-scale update (fp16) and the
+gradient norm are decided on the main thread, on this step's gradients, before anything is handed over;
+an overflowed step is dropped exactly as DeepSpeed drops it, never applied. The thread gets its own copy
+of the step's learning rate and betas (the scheduler moves them right after).
+
+The update uses PyTorch's fused CPU AdamW on DeepSpeedCPUAdam's own state tensors, with the unscale and
+clip folded in: DeepSpeed's `adam_update` keeps Python's GIL for the whole call (it is bound without
+releasing it), which would stall the main thread's kernel launches; PyTorch ops release it.
 """
 
 from __future__ import annotations
 
+import bisect
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 
-class DelayedUpdate:
-    """Replaces `optimizer.step` of a DeepSpeed ZeRO-2 CPU-offload optimizer with the delayed one.
+class _OverlappedStep:
+    """Replaces `optimizer.step` of a DeepSpeed ZeRO-2 CPU-offload optimizer; subclasses say when and how
+    the update is applied. The first `after` applied steps are DeepSpeed's own (early updates are large,
+    the fp16 loss scale settles there, and the optimizer states get allocated)."""
 
-    The first `after` applied steps are plain DeepSpeed steps (early updates are large and the fp16
-    loss scale settles there). `sync()` applies the pending update and uploads it: call it before
-    anything reads the weights or the optimizer state (checkpoint, evaluation, export, the end).
-    """
+    name = "overlapped update"
 
     def __init__(self, optimizer: Any, *, after: int):
         if not getattr(optimizer, "cpu_offload", False) or not hasattr(optimizer, "single_partition_of_fp32_groups"):
-            raise ValueError("the delayed update needs DeepSpeed's ZeRO-2 optimizer with offload_optimizer on the CPU")
+            raise ValueError(f"the {self.name} needs DeepSpeed's ZeRO-2 optimizer with offload_optimizer on the CPU")
         self.opt = optimizer
         self.after = after
-        self.applied = 0  # plain + delayed steps applied (overflowed ones are not counted)
-        self.spare: list[torch.Tensor] | None = None  # the second gradient buffer per group, made on first use
+        self.applied = 0  # steps applied, DeepSpeed's and ours (overflowed ones are not counted)
         self.pending: Future | None = None
-        self._uploaded: Any = None  # a CUDA event after the last upload: the staging buffers are free after it
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fitone-delayed-update")
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fitone-update")
         self._plain_step = optimizer.step
         optimizer.step = self.step  # DeepSpeed's engine calls optimizer.step() at each boundary
 
     # -- the step DeepSpeed's engine calls ------------------------------------------------------------
     def step(self, closure: Any = None) -> None:
         if self.applied < self.after:
+            self.sync()
             self._plain_step()
             self.applied += not self.opt.overflow
             return
-        opt = self.opt
+        decided = self._prologue()
+        if decided is not None:
+            self._launch(*decided)
+            self.applied += 1
+
+    def _prologue(self) -> tuple[float | None, list[dict[str, Any]]] | None:
+        """DeepSpeed's step up to the update: host gradients complete, overflow, norm, loss scale.
+        Returns (combined scale, hyperparameters per group), or None for a dropped (overflowed) step."""
+        from deepspeed.runtime.utils import is_invalid_grad_norm
         from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID
 
-        # as DeepSpeed's step() begins: this step's host gradients complete, bookkeeping reset
+        opt = self.opt
         opt.micro_step_id = INITIAL_MICRO_STEP_ID
         opt._wait_for_offload_copies()
         opt._offload_accumulated_param_ids = set()
         if not opt.compute_grad_norm:
             opt._global_grad_norm = None
-        norm, prev_scale = self._decide()
-        if opt.overflow:  # dropped as DeepSpeed drops it; the pending update (earlier, good) still lands
-            if opt.compute_grad_norm:
-                opt._global_grad_norm = float("inf")
-            opt.zero_grad(set_to_none=True)
-            opt._release_preflattened_grad_buffers()
-            opt.reset_cpu_buffers()
-            return
-        if norm is not None:
-            opt._global_grad_norm = norm / prev_scale
-        scale = self._combined_scale(norm)
-        hyper = [dict(lr=g["lr"], betas=g["betas"], eps=g["eps"], weight_decay=g["weight_decay"])
-                 for g in opt.optimizer.param_groups]
-        self.sync()  # step N-1's weights go up now; the GPU then runs step N+1 while the CPU does step N
-        grads = self._swap_gradient_buffers()
-        for i in range(len(opt.bit16_groups)):
-            opt._release_preflattened_grad_buffers(i)
-            opt.averaged_gradients[i] = None
-        opt.reset_cpu_buffers()
-        uploaded = self._uploaded
-        self.pending = self._pool.submit(self._cpu_update, grads, scale, hyper, uploaded)
-        self.applied += 1
-
-    def _decide(self) -> tuple[torch.Tensor | None, float]:
-        """DeepSpeed's own overflow check, gradient norm and loss-scale update, on this step's gradients."""
-        from deepspeed.runtime.utils import is_invalid_grad_norm
-
-        opt = self.opt
         opt.overflow = False
         if opt.check_grad_overflow:
             opt.check_overflow(partition_gradients=opt.partition_gradients)
@@ -99,7 +83,18 @@ class DelayedUpdate:
                 opt.overflow = True
         prev_scale = opt.loss_scale
         opt._update_scale(opt.overflow)
-        return norm, prev_scale
+        if opt.overflow:  # dropped as DeepSpeed drops it; an update already running (earlier, good) still lands
+            if opt.compute_grad_norm:
+                opt._global_grad_norm = float("inf")
+            opt.zero_grad(set_to_none=True)
+            opt._release_preflattened_grad_buffers()
+            opt.reset_cpu_buffers()
+            return None
+        if norm is not None:
+            opt._global_grad_norm = norm / prev_scale
+        hyper = [dict(lr=g["lr"], betas=g["betas"], eps=g["eps"], weight_decay=g["weight_decay"])
+                 for g in opt.optimizer.param_groups]
+        return self._combined_scale(norm), hyper
 
     def _combined_scale(self, norm: torch.Tensor | None) -> float | None:
         """What DeepSpeed's unscale_and_clip_grads divides by (loss scale x clip factor), or None for 1."""
@@ -111,6 +106,78 @@ class DelayedUpdate:
             clip = ((float(norm) / opt.loss_scale) + 1e-6) / opt.clip_grad
             combined = max(clip, 1.0) * opt.loss_scale
         return combined
+
+    def _release_step_buffers(self) -> None:
+        opt = self.opt
+        for i in range(len(opt.bit16_groups)):
+            opt._release_preflattened_grad_buffers(i)
+            opt.averaged_gradients[i] = None
+        opt.reset_cpu_buffers()
+
+    def _adam(self, i: int, grad: torch.Tensor, scale: float | None, hyper: dict[str, Any],
+              lo: int = 0, hi: int | None = None, step: int | None = None) -> None:
+        """AdamW on elements [lo, hi) of group i's fp32 master and DeepSpeedCPUAdam's states for it, with
+        the unscale/clip folded in (one pass over the gradients instead of DeepSpeed's two)."""
+        opt, adam = self.opt, self.opt.optimizer
+        master = opt.single_partition_of_fp32_groups[i]
+        state = adam.state[master]
+        if step is None:
+            step = self._next_step(i)
+        fused = torch._fused_adamw_ if getattr(adam, "adam_w_mode", True) else torch._fused_adam_
+        beta1, beta2 = hyper["betas"]
+        sl = slice(lo, hi)
+        fused([master.data[sl]], [grad[sl]], [state["exp_avg"][sl]], [state["exp_avg_sq"][sl]], [],
+              [torch.tensor(float(step))], lr=hyper["lr"], beta1=beta1, beta2=beta2,
+              weight_decay=hyper["weight_decay"], eps=hyper["eps"], amsgrad=False, maximize=False,
+              grad_scale=torch.tensor(scale) if scale is not None else None, found_inf=None)
+
+    def _next_step(self, i: int) -> int:
+        """Count this step in DeepSpeedCPUAdam's state for group i (creating its states as it would)."""
+        master = self.opt.single_partition_of_fp32_groups[i]
+        state = self.opt.optimizer.state[master]
+        if len(state) == 0:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(master.data)
+            state["exp_avg_sq"] = torch.zeros_like(master.data)
+        state["step"] += 1
+        return state["step"]
+
+    def _launch(self, scale: float | None, hyper: list[dict[str, Any]]) -> None:
+        raise NotImplementedError
+
+    def before_backward(self) -> None:
+        """Called before each backward, which writes the host gradient buffers."""
+
+    # -- applying what is pending ---------------------------------------------------------------------
+    def sync(self) -> None:
+        """Finish the pending update and put its weights on the model (a no-op when none is pending):
+        call it before anything reads the weights or the optimizer state (checkpoint, export, the end)."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Apply what is pending, stop the thread and give DeepSpeed its own step back."""
+        try:
+            self.sync()
+        finally:
+            self._pool.shutdown(wait=True)
+            self.opt.step = self._plain_step
+
+
+class DelayedUpdate(_OverlappedStep):
+    """One-step delayed parameter update: step N's update runs beside step N+1's forward and backward."""
+
+    name = "delayed update"
+
+    def __init__(self, optimizer: Any, *, after: int):
+        super().__init__(optimizer, after=after)
+        self.spare: list[torch.Tensor] | None = None  # the second gradient buffer per group, made on first use
+        self._uploaded: Any = None  # a CUDA event after the last upload: the staging buffers are free after it
+
+    def _launch(self, scale: float | None, hyper: list[dict[str, Any]]) -> None:
+        self.sync()  # step N-1's weights go up now; the GPU then runs step N+1 while the CPU does step N
+        grads = self._swap_gradient_buffers()
+        self._release_step_buffers()
+        self.pending = self._pool.submit(self._cpu_update, grads, scale, hyper, self._uploaded)
 
     def _swap_gradient_buffers(self) -> list[torch.Tensor]:
         """Hand this step's host gradients to the update; the next backward writes into the spare ones.
@@ -130,30 +197,15 @@ class DelayedUpdate:
 
     def _cpu_update(self, grads: list[torch.Tensor], scale: float | None, hyper: list[dict[str, Any]],
                     uploaded: Any) -> None:
-        """AdamW on DeepSpeedCPUAdam's states with the unscale/clip folded in (one pass over the gradients
-        instead of DeepSpeed's two), then the 16-bit staging copy. Runs in the background thread."""
-        opt, adam = self.opt, self.opt.optimizer
-        fused = torch._fused_adamw_ if getattr(adam, "adam_w_mode", True) else torch._fused_adam_
-        grad_scale = torch.tensor(scale) if scale is not None else None  # unscale and clip inside the kernel
-        for i, (master, grad, h) in enumerate(zip(opt.single_partition_of_fp32_groups, grads, hyper)):
-            state = adam.state[master]
-            if len(state) == 0:  # as DeepSpeedCPUAdam initialises them
-                state["step"] = 0
-                state["exp_avg"] = torch.zeros_like(master.data)
-                state["exp_avg_sq"] = torch.zeros_like(master.data)
-            state["step"] += 1
-            beta1, beta2 = h["betas"]
-            fused([master.data], [grad], [state["exp_avg"]], [state["exp_avg_sq"]], [],
-                  [torch.tensor(float(state["step"]))], lr=h["lr"], beta1=beta1, beta2=beta2,
-                  weight_decay=h["weight_decay"], eps=h["eps"], amsgrad=False, maximize=False,
-                  grad_scale=grad_scale, found_inf=None)
+        """Adam, then the 16-bit staging copy (background thread)."""
+        opt = self.opt
+        for i, grad in enumerate(grads):
+            self._adam(i, grad, scale, hyper[i])
             if uploaded is not None:
                 uploaded.synchronize()  # the last upload may still be reading the staging buffer
-            opt.param_buffer_of_bit16_for_cpu_offload_groups[i].data.copy_(master.data)
+            opt.param_buffer_of_bit16_for_cpu_offload_groups[i].data.copy_(opt.single_partition_of_fp32_groups[i].data)
 
-    # -- applying the pending update ------------------------------------------------------------------
     def sync(self) -> None:
-        """Wait for the pending update, upload its weights and gather them (a no-op when none is pending)."""
         if self.pending is None:
             return
         pending, self.pending = self.pending, None
@@ -166,7 +218,7 @@ class DelayedUpdate:
             partition_id = dist.get_rank(group=opt.real_dp_process_group[i])
             opt.parallel_partitioned_bit16_groups[i][partition_id].data.copy_(
                 opt.param_buffer_of_bit16_for_cpu_offload_groups[i].data, non_blocking=True)
-        if torch.cuda.is_available() and opt.parallel_partitioned_bit16_groups[0][0].is_cuda:
+        if opt.parallel_partitioned_bit16_groups[0][0].is_cuda:
             self._uploaded = torch.cuda.Event()
             self._uploaded.record()
         all_gather_dp_groups(groups_flat=opt.bit16_groups_flat,
@@ -178,10 +230,139 @@ class DelayedUpdate:
             opt._update_model_bit16_weights(i)
         opt._lazy_init_hp_params_optimizer_state()
 
-    def close(self) -> None:
-        """Apply what is pending, stop the thread and give DeepSpeed its own step back."""
+
+class PipelinedUpdate(_OverlappedStep):
+    """Step N's update, chunk by chunk in flat-buffer order (the order the model's parameters are
+    declared, which is close to the order the forward uses them), runs while step N+1's forward runs.
+
+    One process only: with several ranks the updated partitions would have to be all-gathered before any
+    forward could use them. `model` is the engine's module (forward pre-hooks go on its submodules).
+    """
+
+    name = "pipelined update"
+
+    def __init__(self, optimizer: Any, model: torch.nn.Module, *, after: int, chunk_elements: int = 64 * 2**20):
+        super().__init__(optimizer, after=after)
+        import deepspeed.comm as dist
+
+        if any(dist.get_world_size(group=g) > 1 for g in optimizer.real_dp_process_group):
+            self.close()
+            raise ValueError("the pipelined update runs on one GPU (one rank)")
+        self.chunks = self._plan_chunks(chunk_elements)  # per group: chunk ends (exclusive), ascending
+        self.ready: list[list[threading.Event]] = []  # per group and chunk: set by the thread when uploaded
+        self.uploaded: list[list[Any]] = []  # per group and chunk: a CUDA event (None on the CPU)
+        self.waited: list[int] = []  # per group: chunks the main stream already waited for, this step
+        self._side = torch.cuda.Stream() if optimizer.bit16_groups_flat[0].is_cuda else None
+        self._hooks = [m.register_forward_pre_hook(self._pre_forward(needs))
+                       for m, needs in self._module_needs(model)]
+
+    def _plan_chunks(self, chunk_elements: int) -> list[list[int]]:
+        return [list(range(chunk_elements, p.numel(), chunk_elements)) + [p.numel()]
+                for p in self.opt.single_partition_of_fp32_groups]
+
+    def _module_needs(self, model: torch.nn.Module) -> list[tuple[torch.nn.Module, list[tuple[int, int]]]]:
+        """For each module with parameters of its own: (group, last element) of each group it reads."""
+        where: dict[int, tuple[int, int]] = {}  # param data_ptr -> (group, end offset in the flat buffer)
+        for i, (flat, params) in enumerate(zip(self.opt.bit16_groups_flat, self.opt.bit16_groups)):
+            base, size = flat.data_ptr(), flat.element_size()
+            for p in params:
+                start = (p.data.data_ptr() - base) // size
+                where[p.data_ptr()] = (i, start + p.numel())
+        needs = []
+        for module in model.modules():
+            ends: dict[int, int] = {}
+            for p in module.parameters(recurse=False):
+                if p.data_ptr() in where:
+                    i, end = where[p.data_ptr()]
+                    ends[i] = max(ends.get(i, 0), end)
+            if ends:
+                needs.append((module, sorted(ends.items())))
+        return needs
+
+    def _pre_forward(self, needs: list[tuple[int, int]]):
+        def hook(_module: torch.nn.Module, _inputs: Any) -> None:
+            if not self.ready:
+                return
+            for i, end in needs:
+                self._wait_for(i, bisect.bisect_left(self.chunks[i], end))
+        return hook
+
+    def _wait_for(self, i: int, last_chunk: int) -> None:
+        """Block until chunks [0, last_chunk] of group i are uploaded; order the GPU stream after them."""
+        while self.waited[i] <= last_chunk:
+            c = self.waited[i]
+            self.ready[i][c].wait()
+            if self.pending is not None and self.pending.done() and self.pending.exception() is not None:
+                self.pending.result()  # the thread failed: raise here rather than wait forever
+            if self.uploaded[i][c] is not None:
+                torch.cuda.current_stream().wait_event(self.uploaded[i][c])
+            self.waited[i] = c + 1
+
+    def before_backward(self) -> None:
+        """The update reads this step's gradient buffers, which the backward is about to overwrite: the
+        forward has normally waited for every chunk already; this covers weights it did not use."""
+        for i, ends in enumerate(self.chunks if self.ready else []):
+            self._wait_for(i, len(ends) - 1)
+
+    def _launch(self, scale: float | None, hyper: list[dict[str, Any]]) -> None:
+        self.sync()  # the previous update is complete (the forward and backward since needed all of it)
+        grads = [p.grad for p in self.opt.single_partition_of_fp32_groups]
+        self._release_step_buffers()
+        steps = [self._next_step(i) for i in range(len(grads))]
+        self.ready = [[threading.Event() for _ in ends] for ends in self.chunks]
+        self.uploaded = [[None] * len(ends) for ends in self.chunks]
+        self.waited = [0] * len(self.chunks)
+        done = None
+        if self._side is not None:  # the copies must not overwrite weights the last backward still reads
+            done = torch.cuda.Event()
+            done.record()
+        self.pending = self._pool.submit(self._cpu_update, grads, scale, hyper, steps, done)
+
+    def _cpu_update(self, grads: list[torch.Tensor], scale: float | None, hyper: list[dict[str, Any]],
+                    steps: list[int], backward_done: Any) -> None:
+        opt = self.opt
         try:
-            self.sync()
+            if backward_done is not None:
+                torch.cuda.set_device(self._side.device)  # a new thread starts on device 0
+                self._side.wait_event(backward_done)
+            for i, grad in enumerate(grads):
+                master = opt.single_partition_of_fp32_groups[i]
+                staging = opt.param_buffer_of_bit16_for_cpu_offload_groups[i]
+                target = opt.parallel_partitioned_bit16_groups[i][0]
+                lo = 0
+                for c, hi in enumerate(self.chunks[i]):
+                    self._adam(i, grad, scale, hyper[i], lo, hi, step=steps[i])
+                    staging.data[lo:hi].copy_(master.data[lo:hi])
+                    if self._side is not None:
+                        with torch.cuda.stream(self._side):
+                            target.data[lo:hi].copy_(staging.data[lo:hi], non_blocking=True)
+                            event = torch.cuda.Event()
+                            event.record(self._side)
+                        self.uploaded[i][c] = event
+                    else:
+                        target.data[lo:hi].copy_(staging.data[lo:hi])
+                    self.ready[i][c].set()
+                    lo = hi
+        finally:  # never leave the main thread waiting on a chunk that will not come
+            for events in self.ready:
+                for event in events:
+                    event.set()
+
+    def sync(self) -> None:
+        if self.pending is None:
+            return
+        pending, self.pending = self.pending, None
+        pending.result()
+        for i, ends in enumerate(self.chunks):
+            self._wait_for(i, len(ends) - 1)  # the GPU stream now follows every upload
+        if self._side is not None:
+            self._side.synchronize()  # staging buffers free for the next update
+        self.ready = []
+        self.opt._lazy_init_hp_params_optimizer_state()
+
+    def close(self) -> None:
+        try:
+            super().close()
         finally:
-            self._pool.shutdown(wait=True)
-            self.opt.step = self._plain_step
+            for handle in getattr(self, "_hooks", []):
+                handle.remove()

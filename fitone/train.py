@@ -116,6 +116,8 @@ class Trainer:
         self.dist: DistInfo = start_runtime(cfg, self.device)
         if self.dist.note:
             self._say(self.dist.note)
+        if cfg.pipelined_update and self.dist.world_size > 1:
+            raise ConfigError("--pipelined-update runs on one GPU: drop it under a launcher (or use --delayed-update)")
         # an 'auto' batch size is probed first, on its own model copy, before this run's weights load
         self.micro_batch = self._resolve_batch_size()
         self._setup_model()
@@ -214,7 +216,8 @@ class Trainer:
         if self.cfg.offload == "cpu" and not cpu_adam_built():
             self._say("building DeepSpeed's CPU Adam once for this machine (1-2 minutes; cached for later runs)")
         self.engine = Engine(self.loaded.model, ds_config,
-                             delayed_after=self.cfg.delayed_update_after if self.cfg.delayed_update else None)
+                             delayed_after=self.cfg.delayed_update_after if self.cfg.delayed_update else None,
+                             pipelined=self.cfg.pipelined_update)
         if self.cfg.delayed_update:
             self._say(f"delayed parameter update after {self.cfg.delayed_update_after} plain steps: each step's "
                       "CPU Adam runs while the GPU computes the next step, on weights one update old")

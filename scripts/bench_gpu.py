@@ -41,10 +41,13 @@ ROOT = Path(__file__).resolve().parent.parent
 GIB = 1024**3
 
 TOOLS = ("fitone", "deepspeed", "hf-trainer", "torch-plain", "torch-plain-uncapped", "hf-trainer-auto-find",
-         "fitone-delayed")
+         "fitone-delayed", "fitone-pipelined")
 DEFAULT_TOOLS = TOOLS[:5]
 REUSABLE = {"deepspeed", "torch-plain", "torch-plain-uncapped"}  # one engine/model serves every size (--same-process)
-CAPPED = {"fitone", "deepspeed", "hf-trainer", "torch-plain", "hf-trainer-auto-find", "fitone-delayed"}
+CAPPED = {"fitone", "deepspeed", "hf-trainer", "torch-plain", "hf-trainer-auto-find", "fitone-delayed",
+          "fitone-pipelined"}
+OVERLAPPED = {"fitone-delayed": {"delayed_update": True, "delayed_update_after": 1},
+              "fitone-pipelined": {"pipelined_update": True}}  # issue 8's modes: fitone with these options
 RECORD = "BENCH_RECORD "  # a child's final record for one batch size, one JSON object per line
 PARTIAL = "BENCH_PARTIAL "  # what a child knows so far; kept when it dies or times out
 QUICK = {"model": "t5-large", "batch_sizes": [16, 64], "tools": ["fitone", "deepspeed"]}
@@ -437,7 +440,8 @@ def child_main(job: dict[str, Any]) -> int:
     """Run the job's tool, print one RECORD line per batch size. Errors become records, not tracebacks only."""
     sys.path.insert(0, str(ROOT))
     emit(PARTIAL, {"started": time.time()})
-    measure = {"fitone": measure_fitone, "fitone-delayed": measure_fitone, "deepspeed": measure_deepspeed, "hf-trainer": measure_hf_trainer,
+    measure = {"fitone": measure_fitone, "fitone-delayed": measure_fitone, "fitone-pipelined": measure_fitone,
+               "deepspeed": measure_deepspeed, "hf-trainer": measure_hf_trainer,
                "hf-trainer-auto-find": measure_hf_auto_find, "torch-plain": measure_torch,
                "torch-plain-uncapped": measure_torch}[job["tool"]]
     done: set[int] = set()
@@ -813,8 +817,8 @@ def capture_engines(sync: Callable[[], None], detail_from: int | None) -> Iterat
 def measure_fitone(job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """fitone.train at one micro-batch; its own CUDA-synchronised step times, ours for the split.
 
-    fitone-delayed: with --delayed-update from the second step on (every timed step is a delayed one);
-    no split, since its CPU work runs beside the next step's GPU work.
+    fitone-delayed / fitone-pipelined: with --delayed-update (from the second step) or --pipelined-update;
+    no split, since their CPU work runs beside the next step's GPU work.
     """
     import importlib
 
@@ -825,13 +829,12 @@ def measure_fitone(job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     op_load_s = load_cpu_adam()
     sync = syncer(job["device"])
     warm, timed, extra = job["warmup"], job["steps"], job["split_steps"]
-    delayed = job["tool"] == "fitone-delayed"
-    extra = 0 if delayed else extra
+    overlapped = OVERLAPPED.get(job["tool"], {})
+    extra = 0 if overlapped else extra
     detail_from = warm + timed if extra else None
     with capture_engines(sync, detail_from) as splits:  # before fitone.train is imported, so it sees the patch
         train = importlib.import_module("fitone.train").train
-        cfg = train_config(job, size, max_steps=warm + timed + extra,
-                           **({"delayed_update": True, "delayed_update_after": 1} if delayed else {}))
+        cfg = train_config(job, size, max_steps=warm + timed + extra, **overlapped)
         t0 = time.perf_counter()
         result = train(cfg)
         wall = time.perf_counter() - t0
@@ -844,7 +847,8 @@ def measure_fitone(job: dict[str, Any]) -> Iterator[dict[str, Any]]:
            "peak_host_gib": round(max(result.peak_host_rss_bytes / GIB, host_peak_gib()), 3),
            "init_s": round(result.init_s, 2), "wall_s": round(wall, 2), "skipped_steps": result.skipped_steps,
            "grad_accum": result.grad_accum, "fitone_samples_per_s": round(result.samples_per_s, 2),
-           "delayed_update": delayed,
+           "delayed_update": bool(overlapped.get("delayed_update")),
+           "pipelined_update": bool(overlapped.get("pipelined_update")),
            **loss_fields(list(result.losses))}
     if split:
         rec.update(split.fields(warm, warm + timed))

@@ -115,13 +115,16 @@ def test_child_logs_and_table_are_written(smoke):
     assert all(f"| {r['step_s']:.3f} (" in rendered for r in records)
 
 
-def test_the_delayed_update_mode_runs_as_its_own_tool(tmp_path):
-    out = tmp_path / "delayed.json"
-    proc = _run(["--tools", "fitone-delayed", *SMOKE, "--out", str(out)])
+def test_the_overlapped_update_modes_run_as_their_own_tools(tmp_path):
+    out = tmp_path / "overlapped.json"
+    proc = _run(["--tools", "fitone-delayed,fitone-pipelined", *SMOKE, "--out", str(out)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (r,) = json.loads(out.read_text())
-    assert r["tool"] == "fitone-delayed" and r["delayed_update"] is True and r["error"] is None
-    assert len(r["step_times"]) == 2 and math.isfinite(r["loss_last"]) and r["samples_per_s"] > 0
+    delayed, pipelined = json.loads(out.read_text())
+    assert delayed["tool"] == "fitone-delayed" and delayed["delayed_update"] and not delayed["pipelined_update"]
+    assert pipelined["tool"] == "fitone-pipelined" and pipelined["pipelined_update"]
+    for r in (delayed, pipelined):
+        assert r["error"] is None and len(r["step_times"]) == 2 and math.isfinite(r["loss_last"])
+        assert r["samples_per_s"] > 0
 
 
 def test_a_child_that_times_out_leaves_an_error_record_and_the_file(tmp_path):
