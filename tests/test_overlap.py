@@ -214,3 +214,15 @@ def test_one_overlap_mode_at_a_time():
 
     with pytest.raises(ConfigError, match="not both"):
         cpu_config(delayed_update=True, pipelined_update=True).validate()
+
+
+def test_in_bf16_the_pipelined_update_follows_the_default_and_the_delayed_one_lags():
+    """bf16 (DeepSpeed's CPU accelerator takes it; fp16 needs a GPU): 16-bit weights staged from fp32."""
+    common = dict(max_steps=10, precision="bf16", lr=1e-3, lr_schedule="constant", warmup_steps=0)
+    plain = fitone.train(cpu_config(**common))
+    pipelined = fitone.train(cpu_config(**common, pipelined_update=True))
+    delayed = fitone.train(cpu_config(**common, delayed_update=True, delayed_update_after=3))
+    assert pipelined.losses == pytest.approx(plain.losses, rel=1e-3)
+    assert delayed.losses[:4] == plain.losses[:4]  # 3 plain steps; the 4th forward is before any delay
+    assert delayed.losses[4] != plain.losses[4]  # step 5's forward sees step 3's weights, not step 4's
+    assert all(math.isfinite(x) for x in delayed.losses) and delayed.losses[-1] < delayed.losses[0]
