@@ -1,8 +1,9 @@
-"""Does the one-step delayed parameter update train as well as the default? A CPU check on the sample task.
+"""Do the overlapped updates train as well as the default? A CPU check on the sample task.
 
-Four runs of t5-tiny on the bundled sample task (fp32, micro-batch 16, clip 1.0, constant lr, 300 steps):
+Five runs of t5-tiny on the bundled sample task (fp32, micro-batch 16, clip 1.0, constant lr, 300 steps):
   fitone default        DeepSpeed ZeRO-2 offload, fitone.train
-  fitone --delayed-update   the same with fitone.overlap after 20 plain steps
+  fitone --pipelined-update the same arithmetic, run beside the next forward (fitone.overlap)
+  fitone --delayed-update   the one-step delayed update after 20 plain steps (fitone.overlap)
   torch AdamW           a plain PyTorch loop on the same model, data order and clipping
   torch AdamW, delayed  the same loop applying each step's gradients one step late (after 20 plain steps)
 The two torch loops say whether a gap between the fitone runs comes from the method (staleness) or from
@@ -25,19 +26,20 @@ sys.path.insert(0, str(ROOT))
 STEPS, AFTER, BATCH = 300, 20, 16
 
 
-def fitone_run(lr: float, delayed: bool) -> dict:
+def fitone_run(lr: float, mode: str) -> dict:
     import fitone
     from fitone.config import TrainConfig
 
     cfg = TrainConfig(model="t5-tiny", from_scratch=True, data="sample", src_len=8, tgt_len=48, batch_size=BATCH,
                       lr=lr, lr_schedule="constant", warmup_steps=0, max_steps=STEPS, precision="fp32",
                       device="cpu", eval_examples=64, progress=False, seed=0,
-                      delayed_update=delayed, delayed_update_after=AFTER)
+                      delayed_update=mode == "delayed", delayed_update_after=AFTER,
+                      pipelined_update=mode == "pipelined")
     r = fitone.train(cfg)
     return {"losses": r.losses, "quality": r.quality, "skipped_steps": r.skipped_steps}
 
 
-def torch_run(lr: float, delayed: bool) -> dict:
+def torch_run(lr: float, mode: str) -> dict:
     import torch
 
     from fitone.config import TrainConfig
@@ -66,7 +68,7 @@ def torch_run(lr: float, delayed: bool) -> dict:
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         grads = [p.grad.clone() for p in params]
         model.zero_grad(set_to_none=True)
-        if delayed and step >= AFTER:
+        if mode == "delayed" and step >= AFTER:
             if pending is not None:
                 apply(pending)
             pending = grads
@@ -82,10 +84,12 @@ def main() -> int:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     rows = {}
-    for name, fn, delayed in (("fitone default", fitone_run, False), ("fitone --delayed-update", fitone_run, True),
-                              ("torch AdamW", torch_run, False), ("torch AdamW, delayed", torch_run, True)):
+    for name, fn, mode in (("fitone default", fitone_run, "default"),
+                           ("fitone --pipelined-update", fitone_run, "pipelined"),
+                           ("fitone --delayed-update", fitone_run, "delayed"),
+                           ("torch AdamW", torch_run, "default"), ("torch AdamW, delayed", torch_run, "delayed")):
         t0 = time.perf_counter()
-        rows[name] = {**fn(args.lr, delayed), "wall_s": round(time.perf_counter() - t0, 1)}
+        rows[name] = {**fn(args.lr, mode), "wall_s": round(time.perf_counter() - t0, 1)}
     print(f"lr {args.lr:g}, {STEPS} steps, micro-batch {BATCH}; mean loss over steps 1-50, 51-100, ...; eval")
     for name, r in rows.items():
         L = r["losses"]
