@@ -52,7 +52,6 @@ class _OverlappedStep:
     # -- the step DeepSpeed's engine calls ------------------------------------------------------------
     def step(self, closure: Any = None) -> None:
         if self.applied < self.after:
-            self.sync()
             self._plain_step()
             self.applied += not self.opt.overflow
             return
@@ -114,15 +113,13 @@ class _OverlappedStep:
             opt.averaged_gradients[i] = None
         opt.reset_cpu_buffers()
 
-    def _adam(self, i: int, grad: torch.Tensor, scale: float | None, hyper: dict[str, Any],
-              lo: int = 0, hi: int | None = None, step: int | None = None) -> None:
+    def _adam(self, i: int, grad: torch.Tensor, scale: float | None, hyper: dict[str, Any], step: int,
+              lo: int = 0, hi: int | None = None) -> None:
         """AdamW on elements [lo, hi) of group i's fp32 master and DeepSpeedCPUAdam's states for it, with
         the unscale/clip folded in (one pass over the gradients instead of DeepSpeed's two)."""
         opt, adam = self.opt, self.opt.optimizer
         master = opt.single_partition_of_fp32_groups[i]
         state = adam.state[master]
-        if step is None:
-            step = self._next_step(i)
         fused = torch._fused_adamw_ if getattr(adam, "adam_w_mode", True) else torch._fused_adam_
         beta1, beta2 = hyper["betas"]
         sl = slice(lo, hi)
@@ -177,7 +174,8 @@ class DelayedUpdate(_OverlappedStep):
         self.sync()  # step N-1's weights go up now; the GPU then runs step N+1 while the CPU does step N
         grads = self._swap_gradient_buffers()
         self._release_step_buffers()
-        self.pending = self._pool.submit(self._cpu_update, grads, scale, hyper, self._uploaded)
+        steps = [self._next_step(i) for i in range(len(grads))]
+        self.pending = self._pool.submit(self._cpu_update, grads, scale, hyper, steps, self._uploaded)
 
     def _swap_gradient_buffers(self) -> list[torch.Tensor]:
         """Hand this step's host gradients to the update; the next backward writes into the spare ones.
@@ -196,11 +194,11 @@ class DelayedUpdate(_OverlappedStep):
         return full
 
     def _cpu_update(self, grads: list[torch.Tensor], scale: float | None, hyper: list[dict[str, Any]],
-                    uploaded: Any) -> None:
+                    steps: list[int], uploaded: Any) -> None:
         """Adam, then the 16-bit staging copy (background thread)."""
         opt = self.opt
         for i, grad in enumerate(grads):
-            self._adam(i, grad, scale, hyper[i])
+            self._adam(i, grad, scale, hyper[i], steps[i])
             if uploaded is not None:
                 uploaded.synchronize()  # the last upload may still be reading the staging buffer
             opt.param_buffer_of_bit16_for_cpu_offload_groups[i].data.copy_(opt.single_partition_of_fp32_groups[i].data)
@@ -331,7 +329,7 @@ class PipelinedUpdate(_OverlappedStep):
                 target = opt.parallel_partitioned_bit16_groups[i][0]
                 lo = 0
                 for c, hi in enumerate(self.chunks[i]):
-                    self._adam(i, grad, scale, hyper[i], lo, hi, step=steps[i])
+                    self._adam(i, grad, scale, hyper[i], steps[i], lo, hi)
                     staging.data[lo:hi].copy_(master.data[lo:hi])
                     if self._side is not None:
                         with torch.cuda.stream(self._side):

@@ -72,10 +72,10 @@ def probe_batch(
     cfg = cfg.replace(**overrides) if cfg is not None else TrainConfig(**overrides)
     _check_arguments(max_batch=max_batch, max_trials=max_trials, margin=margin, start=1,
                      verify_steps=verify_steps, trial_steps=1)
-    device, world_size = prepare(cfg)
+    device, _ = prepare(cfg)
     config = load_config(cfg.model, from_scratch=cfg.from_scratch)
     check_seq_len(config, cfg.seq_len, cfg.model)
-    key = probe_key(cfg, config, device, world_size)
+    key = probe_key(cfg, config, device)
     search = {"max_batch": max_batch, "max_trials": max_trials, "margin": margin, "verify_steps": verify_steps}
     cached = read_cached(key, search) if use_cache else None
     if cached is not None:
@@ -113,7 +113,7 @@ def batch_size_for_training(cfg: TrainConfig, say: Say = print) -> int:
     # A ZeRO-2 rank holds the same 16-bit weights, buckets and activations as one GPU alone (measured:
     # 10.7 GiB peak at micro-batch 64 for t5-3b on one and on two H200s), so a one-GPU probe gives the
     # per-GPU micro-batch; ranks cannot probe together (an OOM on one rank hangs the others' collectives).
-    result = read_cached(probe_key(cfg, config, device, 1))  # any search settings will do
+    result = read_cached(probe_key(cfg, config, device))  # any search settings will do
     if result is not None:
         say(f"--batch-size auto: reusing the probe saved {result.meta.get('date', '')} in "
             f"{result.meta['cache_file']}")
@@ -424,7 +424,7 @@ def cache_dir() -> Path:
     return Path(root) / "probes"
 
 
-def probe_key(cfg: TrainConfig, config, device: str, world_size: int = 1) -> dict[str, Any]:
+def probe_key(cfg: TrainConfig, config, device: str) -> dict[str, Any]:
     """Everything that decides how much memory a step takes (the weights' values do not)."""
     import deepspeed
 
@@ -439,7 +439,7 @@ def probe_key(cfg: TrainConfig, config, device: str, world_size: int = 1) -> dic
         "ds_config": _digest(Path(cfg.ds_config).read_bytes()) if cfg.ds_config else None,
         "device": device, "gpu": memory.gpu_name(), "max_gpu_memory_bytes": cfg.max_gpu_memory_bytes,
         "expandable_segments": cfg.expandable_segments if device == "cuda" else None,
-        "world_size": world_size, "fitone": fitone.__version__, "deepspeed": deepspeed.__version__,
+        "world_size": 1, "fitone": fitone.__version__, "deepspeed": deepspeed.__version__,
     }
     return key
 

@@ -287,7 +287,7 @@ class Trainer:
         finally:
             if bar is not None:
                 bar.close()
-        engine.sync_weights()  # the last step's update, when it was delayed
+        engine.sync_weights()  # the last step's update, when an overlapped mode still holds it
         if not self.bad.state_is_good:  # ended inside a NaN streak: neither checkpoint nor export those weights
             self._abort_numerics("the last step had a NaN/inf loss")
         if cfg.save_every and self.out:

@@ -35,17 +35,23 @@ def batch(step: int, vocab: int = 256) -> dict[str, torch.Tensor]:
             "labels": torch.randint(3, vocab, (4, 6), generator=g)}
 
 
-def run(engine: Engine, steps: range, *, sync_each_step: bool = False, nan_at: int | None = None) -> list[dict]:
-    """Train on fixed batches; return the weights the forward of each step saw."""
-    seen = []
+def run(engine: Engine, steps: range, *, sync_each_step: bool = False,
+        nan_at: int | None = None) -> tuple[list[dict], list[float]]:
+    """Train on fixed batches; return the module's weights before each step's forward, and the losses.
+
+    (With the pipelined update those weights are still being written when the forward starts: its
+    modules wait for them inside the forward, so only the losses say what that forward saw.)
+    """
+    seen, losses = [], []
     for step in steps:
-        seen.append({k: v.detach().clone() for k, v in engine.module.named_parameters()})
+        seen.append(weights(engine))
         loss = engine.forward(batch(step))
         engine.backward(loss * float("nan") if step == nan_at else loss)
         engine.step()
         if sync_each_step:
             engine.sync_weights()
-    return seen
+        losses.append(loss.item())
+    return seen, losses
 
 
 def weights(engine: Engine) -> dict[str, torch.Tensor]:
@@ -86,7 +92,7 @@ def weights_at_init() -> dict[str, torch.Tensor]:
 def test_after_the_plain_steps_each_forward_sees_the_weights_one_update_old():
     engine = make_engine(2)
     try:
-        seen = run(engine, range(1, 7))
+        seen, _ = run(engine, range(1, 7))
         engine.sync_weights()
         final = weights(engine)
         master = engine.optimizer.single_partition_of_fp32_groups[0].detach().clone()
@@ -162,30 +168,20 @@ def make_pipelined(chunk_elements: int) -> Engine:
     return engine
 
 
-def losses_of(engine: Engine, steps: range) -> list[float]:
-    out = []
-    for step in steps:
-        loss = engine.forward(batch(step))
-        engine.backward(loss)
-        engine.step()
-        out.append(loss.item())
-    return out
-
-
 def test_the_pipelined_update_is_deepspeeds_update_while_the_next_forward_runs():
     """No staleness: with the update running in small chunks beside the next forward (each module waiting
     for the chunks that hold its weights), every step's loss and the final weights match DeepSpeed's own
     to fp32 noise. A forward that read a chunk before its update would give another loss."""
     plain = make_engine(None)
     try:
-        expected_losses = losses_of(plain, range(1, 9))
+        _, expected_losses = run(plain, range(1, 9))
         expected = weights(plain)
     finally:
         plain.close()
     engine = make_pipelined(chunk_elements=4096)
     try:
         assert len(engine.overlap.chunks[0]) > 20  # many chunks: the forward really overtakes the thread
-        got_losses = losses_of(engine, range(1, 9))
+        _, got_losses = run(engine, range(1, 9))
         engine.sync_weights()
         got = weights(engine)
         assert engine.overlap.applied == 8
