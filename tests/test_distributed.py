@@ -67,3 +67,30 @@ def test_two_ranks_resume_with_the_same_world_size(tmp_path):
     proc = _torchrun(out, "--max-steps", "12", "--save-every", "6", "--resume")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _losses(out) == pytest.approx(_losses(straight), rel=1e-4)
+
+
+def test_the_readme_deepspeed_command_runs_two_ranks_through_deepspeeds_launcher(tmp_path):
+    """The README's `deepspeed --num_gpus N --module fitone train ...` line, as DeepSpeed parses it, then
+    DeepSpeed's per-node launcher (what that command runs on this machine) with two CPU ranks: it adds
+    `--local_rank=N` to fitone's arguments, which fitone must accept."""
+    import base64
+    import shlex
+
+    from deepspeed.launcher.runner import parse_args
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    line = next(x for x in readme.splitlines() if x.startswith("deepspeed "))
+    parsed = parse_args(shlex.split(line)[1:])
+    assert parsed.module and parsed.user_script == "fitone" and parsed.user_args[0] == "train"
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    world = base64.urlsafe_b64encode(json.dumps({"localhost": [0, 1]}).encode()).decode()
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "deepspeed.launcher.launch", f"--world_info={world}", f"--master_port={port}",
+           "--module", "fitone", "train", *ARGS, "--batch-size", "8", "--max-steps", "4", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=child_env(), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("TrainResult(4 steps") == 1  # rank 0 reports, rank 1 does not
+    assert len(_losses(out)) == 4 and (out / "final" / "config.json").is_file()

@@ -29,6 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="fitone", description="Fine-tune models too big for one GPU on one GPU (DeepSpeed ZeRO-2 + CPU offload)."
     )
     parser.add_argument("--version", action="version", version=f"fitone {__version__}")
+    # DeepSpeed's launcher runs `python -m fitone --local_rank=N train ...` (unless --no_local_rank); the
+    # rank also arrives as LOCAL_RANK in the environment, which is what fitone reads, so the flag is dropped.
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in COMMANDS.values():
         importlib.import_module(f"fitone.cli.{module}").add_parser(sub)
