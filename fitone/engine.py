@@ -168,6 +168,9 @@ class Engine:
             self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
                 model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config
             )
+        from fitone.overflow import defer_overflow_check
+
+        self.overflow_deferred = defer_overflow_check(self.optimizer)  # same decision, one host sync a step
         self.overlap = None
         if delayed_after is not None:
             from fitone.overlap import DelayedUpdate

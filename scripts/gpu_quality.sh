@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Issue 8's training check on the GPU: do the overlapped updates train as well as the default?
+# t5-large from scratch on the bundled sample task (numbers to words), fp16 with dynamic loss scaling,
+# ZeRO-2 + CPU offload, 23 GiB cap, micro-batch 32, lr 3e-4 (30 warm-up steps, linear decay), 300 steps,
+# the same seed: fitone's default step, --pipelined-update, --delayed-update (after 20 plain steps).
+# The three runs share the GPU and the host at once (speed is not measured here; each gets a third of the
+# cores), then scripts/quality_table.py compares the curves. Run from the repo root on the GPU machine
+# (after the .whl prelude); writes each run's log and metrics.jsonl under $1.
+set -uo pipefail
+out=${1:?usage: gpu_quality.sh OUT_DIR [STEPS]}
+steps=${2:-300}
+mkdir -p "$out"
+threads=$(( $(nproc) / 3 ))
+common="--model t5-large --from-scratch --data sample --src-len 8 --tgt-len 48 --batch-size 32 --lr 3e-4 --lr-schedule linear --warmup-steps 30 --max-steps $steps --precision fp16 --max-gpu-memory 23GiB --eval-examples 200 --log-every 1 --no-progress --seed 0"
+declare -A flags=([default]="" [pipelined]="--pipelined-update" [delayed]="--delayed-update")
+for run in default pipelined delayed; do
+  cmd="python3 -m fitone train $common ${flags[$run]} --out /tmp/quality-$run"
+  echo "\$ OMP_NUM_THREADS=$threads $cmd" > "$out/$run.log"
+  ( SECONDS=0; OMP_NUM_THREADS=$threads $cmd >> "$out/$run.log" 2>&1; echo "exit $? after ${SECONDS}s" >> "$out/$run.log"
+    cp /tmp/quality-$run/metrics.jsonl "$out/$run-metrics.jsonl" 2>/dev/null ) &
+done
+wait
+tail -n 4 "$out"/*.log
+python3 scripts/quality_table.py "$out"/default-metrics.jsonl "$out"/pipelined-metrics.jsonl "$out"/delayed-metrics.jsonl | tee "$out/table.md"

@@ -1,0 +1,107 @@
+"""Compare training runs' loss curves against the first one (issue 8's "trains as well" check).
+
+    python scripts/quality_table.py default/metrics.jsonl pipelined/metrics.jsonl delayed/metrics.jsonl [--png curves.png]
+
+Each argument is a `fitone train` metrics.jsonl (or its run directory) logged with --log-every 1; the
+first is the reference. Prints a markdown table: steps, NaN/inf losses, skipped steps (fp16 loss-scale
+search), mean loss over the last 50 steps and its gap to the reference, the largest gap between
+10-step means over the run, and the held-out quality numbers. Draws the curves to a PNG next to the first
+file (or --png). The tolerance stated with the table is TOLERANCE: a run passes when its last-50 mean
+and every 10-step mean after the warm-up stay within it (relative to the reference's), it has no NaN
+step, and it skipped no more steps than the reference plus 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+TOLERANCE = 0.05  # relative, on 10-step and last-50-step mean losses
+SETTLE = 30  # the first steps (warm-up, loss-scale search) are not held to the tolerance
+
+
+def load(path: str) -> tuple[dict[int, float], int, dict[str, float]]:
+    from fitone.report import read_run
+
+    records = read_run(path)
+    losses = {int(r["step"]): float(r["loss"]) for r in records if "loss" in r}
+    skipped = max((int(r.get("skipped_steps") or 0) for r in records), default=0)
+    quality = next((r for r in reversed(records) if "eval_loss" in r), {})
+    return losses, skipped, {k: v for k, v in quality.items() if k != "step"}
+
+
+def window_means(losses: dict[int, float], width: int = 10) -> dict[int, float]:
+    """Mean of each full window of `width` steps (finite losses only), keyed by the window's last step."""
+    steps = sorted(losses)
+    out = {}
+    for end in range(width, steps[-1] + 1, width):
+        vals = [losses[s] for s in range(end - width + 1, end + 1) if s in losses and math.isfinite(losses[s])]
+        if vals:
+            out[end] = statistics.fmean(vals)
+    return out
+
+
+def compare(paths: list[str]) -> tuple[str, bool]:
+    runs = [(Path(p).parent.name if Path(p).is_file() else Path(p).name, *load(p)) for p in paths]
+    names = [Path(p).name.replace("-metrics.jsonl", "") if Path(p).is_file() else Path(p).name for p in paths]
+    ref_losses, ref_skipped = runs[0][1], runs[0][2]
+    ref_windows = window_means(ref_losses)
+    ref_last = statistics.fmean([ref_losses[s] for s in sorted(ref_losses)[-50:]])
+    rows, all_pass = [], True
+    for name, (_, losses, skipped, quality) in zip(names, runs):
+        finite = [s for s in sorted(losses) if math.isfinite(losses[s])]
+        nan = len(losses) - len(finite)
+        last = statistics.fmean([losses[s] for s in finite[-50:]])
+        windows = window_means(losses)
+        gaps = [(abs(windows[e] - ref_windows[e]) / ref_windows[e], e) for e in windows
+                if e in ref_windows and e > SETTLE]
+        worst, at = max(gaps) if gaps else (0.0, 0)
+        ok = nan == 0 and abs(last - ref_last) / ref_last <= TOLERANCE and worst <= TOLERANCE \
+            and skipped <= ref_skipped + 2
+        all_pass &= ok
+        q = ", ".join(f"{k} {v:.3f}" for k, v in quality.items()) or "–"
+        rows.append(f"| {name} | {len(losses)} | {nan} | {skipped} | {last:.4f} | {100 * (last - ref_last) / ref_last:+.1f}% "
+                    f"| {100 * worst:.1f}% (steps {at - 9}-{at}) | {q} | {'yes' if ok else 'NO'} |")
+    head = ["| run | steps | NaN/inf losses | skipped steps | last-50 mean loss | vs first | largest 10-step-mean gap "
+            f"after step {SETTLE} | held-out quality | within {100 * TOLERANCE:.0f}% |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    return "\n".join(head + rows), all_pass
+
+
+def plot(paths: list[str], png: Path) -> Path:
+    from fitone.report import _figure, _save
+
+    fig, (ax,) = _figure()
+    for p in paths:
+        losses = load(p)[0]
+        name = Path(p).name.replace("-metrics.jsonl", "") if Path(p).is_file() else Path(p).name
+        means = window_means(losses)
+        ax.plot(list(means), list(means.values()), label=name)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("training loss (10-step mean)")
+    ax.set_yscale("log")
+    ax.legend()
+    return _save(fig, png)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("metrics", nargs="+", help="metrics.jsonl files or run directories; the first is the reference")
+    ap.add_argument("--png", type=Path, help="where to draw the curves (default: curves.png next to the first)")
+    args = ap.parse_args(argv)
+    table, ok = compare(args.metrics)
+    print(table)
+    first = Path(args.metrics[0])
+    png = args.png or (first.parent if first.is_file() else first) / "curves.png"
+    print(f"wrote {plot(args.metrics, png)}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
