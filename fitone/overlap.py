@@ -31,6 +31,9 @@ from typing import Any
 import torch
 
 
+UPLOAD_CHUNK = 32 * 2**20  # elements per pipelined Adam + upload chunk (two fp32 chunks on the GPU: 256 MiB)
+
+
 class _OverlappedStep:
     """Replaces `optimizer.step` of a DeepSpeed ZeRO-2 CPU-offload optimizer; subclasses say when and how
     the update is applied. The first `after` applied steps are DeepSpeed's own (early updates are large,
@@ -232,6 +235,7 @@ class DelayedUpdate(_OverlappedStep):
 class PipelinedUpdate(_OverlappedStep):
     """Step N's update, chunk by chunk in flat-buffer order (the order the model's parameters are
     declared, which is close to the order the forward uses them), runs while step N+1's forward runs.
+    Each chunk's fp32 master weights go up as they are and are cast to 16 bits on the GPU.
 
     One process only: with several ranks the updated partitions would have to be all-gathered before any
     forward could use them. `model` is the engine's module (forward pre-hooks go on its submodules).
@@ -239,7 +243,7 @@ class PipelinedUpdate(_OverlappedStep):
 
     name = "pipelined update"
 
-    def __init__(self, optimizer: Any, model: torch.nn.Module, *, after: int, chunk_elements: int = 64 * 2**20):
+    def __init__(self, optimizer: Any, model: torch.nn.Module, *, after: int, chunk_elements: int = UPLOAD_CHUNK):
         super().__init__(optimizer, after=after)
         import deepspeed.comm as dist
 
@@ -250,7 +254,14 @@ class PipelinedUpdate(_OverlappedStep):
         self.ready: list[list[threading.Event]] = []  # per group and chunk: set by the thread when uploaded
         self.uploaded: list[list[Any]] = []  # per group and chunk: a CUDA event (None on the CPU)
         self.waited: list[int] = []  # per group: chunks the main stream already waited for, this step
-        self._side = torch.cuda.Stream() if optimizer.bit16_groups_flat[0].is_cuda else None
+        self._side = None
+        if optimizer.bit16_groups_flat[0].is_cuda:
+            self._side = torch.cuda.Stream()
+            # two fp32 chunks on the GPU: a chunk's fp32 master goes up and is cast there, so the CPU
+            # skips DeepSpeed's fp32->16-bit staging pass (memory-bound, on the forward's critical path)
+            size = max(hi - lo for ends in self.chunks for lo, hi in zip([0] + ends[:-1], ends))
+            self._landing = [torch.empty(size, dtype=torch.float32, device=optimizer.bit16_groups_flat[0].device)
+                             for _ in range(2)]
         self._hooks = [m.register_forward_pre_hook(self._pre_forward(needs))
                        for m, needs in self._module_needs(model)]
 
@@ -323,22 +334,24 @@ class PipelinedUpdate(_OverlappedStep):
             if backward_done is not None:
                 torch.cuda.set_device(self._side.device)  # a new thread starts on device 0
                 self._side.wait_event(backward_done)
+            k = 0  # chunks uploaded: alternates the two landing buffers
             for i, grad in enumerate(grads):
                 master = opt.single_partition_of_fp32_groups[i]
-                staging = opt.param_buffer_of_bit16_for_cpu_offload_groups[i]
                 target = opt.parallel_partitioned_bit16_groups[i][0]
                 lo = 0
                 for c, hi in enumerate(self.chunks[i]):
                     self._adam(i, grad, scale, hyper[i], steps[i], lo, hi)
-                    staging.data[lo:hi].copy_(master.data[lo:hi])
-                    if self._side is not None:
+                    if self._side is not None:  # the side stream runs chunks in order: a landing buffer is
+                        landing = self._landing[k % 2][:hi - lo]  # free once the cast two chunks back is done
                         with torch.cuda.stream(self._side):
-                            target.data[lo:hi].copy_(staging.data[lo:hi], non_blocking=True)
+                            landing.copy_(master.data[lo:hi], non_blocking=True)  # pinned fp32 master
+                            target.data[lo:hi].copy_(landing)
                             event = torch.cuda.Event()
                             event.record(self._side)
                         self.uploaded[i][c] = event
+                        k += 1
                     else:
-                        target.data[lo:hi].copy_(staging.data[lo:hi])
+                        target.data[lo:hi].copy_(master.data[lo:hi])
                     self.ready[i][c].set()
                     lo = hi
         finally:  # never leave the main thread waiting on a chunk that will not come
@@ -354,7 +367,7 @@ class PipelinedUpdate(_OverlappedStep):
         for i, ends in enumerate(self.chunks):
             self._wait_for(i, len(ends) - 1)  # the GPU stream now follows every upload
         if self._side is not None:
-            self._side.synchronize()  # staging buffers free for the next update
+            self._side.synchronize()  # the uploads have read the fp32 master: the next update may write it
         self.ready = []
         self.opt._lazy_init_hp_params_optimizer_state()
 

@@ -434,6 +434,7 @@ class _Setup:
     pin_memory: bool
     on_gpu: bool
     delayed_update: bool = False  # a second fp32 gradient buffer (fitone.overlap)
+    pipelined_update: bool = False  # two fp32 upload chunks on the GPU (fitone.overlap)
 
     @property
     def w(self) -> int:
@@ -459,6 +460,11 @@ def _gpu_components(st: _Setup, offload: bool, micro_batch: int) -> list[Compone
         comps.append(Component("offload staging", "buffers", 2 * w * largest + upcast,
                                "largest param: temp_grad_buffer_for_gpu_offload (line 659), its autograd grad"
                                + (", fp32 copy for the CPU (line 1898)" if upcast else "")))
+        if st.pipelined_update and st.on_gpu:
+            from fitone.overlap import UPLOAD_CHUNK
+
+            comps.append(Component("pipelined-update landing", "buffers", 2 * 4 * min(UPLOAD_CHUNK, part),
+                                   "two fp32 chunks: the updated master goes up and is cast on the GPU"))
     else:
         comps.append(Component("gradient partition", "gradients", w * part,
                                f"{bits} grads of this rank's partition (grads_in_partition, line 2192)"))
@@ -632,7 +638,7 @@ def _make_plan(cfg: TrainConfig, *, gpus: int, gpu_limit: int | None, gpu_limit_
                 gpus=gpus, accumulation=int(ds.get("gradient_accumulation_steps", 1)),
                 bucket=int(float(zero.get("reduce_bucket_size", 5e8))), overlap_comm=bool(zero.get("overlap_comm")),
                 pin_memory=bool(offload_cfg.get("pin_memory", False)), on_gpu=on_gpu,
-                delayed_update=cfg.delayed_update)
+                delayed_update=cfg.delayed_update, pipelined_update=cfg.pipelined_update)
 
     def gpu_total(b: int, off: bool, setup: _Setup = st) -> int:
         return sum(c.bytes for c in _gpu_components(setup, off, b))

@@ -284,3 +284,13 @@ def test_host_rss_of_a_real_offload_engine_matches_the_plan(monkeypatch):
     # run, DeepSpeed's "GPU-side" staging for the largest parameter, which lives in host RAM here
     expected = predicted.host_states + part(predicted, "gpu", "offload staging")
     assert abs(grown / expected - 1) < 0.15, (grown / 2**20, expected / 2**20)
+
+
+def test_the_pipelined_update_adds_two_fp32_upload_chunks_on_the_gpu():
+    from fitone.overlap import UPLOAD_CHUNK
+
+    plain = plan(**T5_3B, gpu_mem="24GiB", host_mem="256GiB")
+    piped = plan(**T5_3B, gpu_mem="24GiB", host_mem="256GiB", pipelined_update=True)
+    assert part(piped, "gpu", "pipelined-update landing") == 2 * 4 * UPLOAD_CHUNK
+    assert piped.host_total == plain.host_total  # nothing more on the host
+    assert plain.gpu_total < piped.gpu_total <= plain.gpu_total + 1.1 * 2 * 4 * UPLOAD_CHUNK  # + fragmentation margin
