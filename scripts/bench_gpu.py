@@ -498,7 +498,8 @@ def train_config(job: dict[str, Any], size: int, **extra: Any):
     return TrainConfig(model=job["model"], from_scratch=True, data="synthetic", src_len=job["src_len"],
                        tgt_len=job["tgt_len"], batch_size=size, precision=job["precision"],
                        max_gpu_memory=job["cap"], activation_checkpointing=job["activation_checkpointing"],
-                       progress=False, out=None, seed=job["seed"], device=job["device"], **extra)
+                       progress=True, out=None, seed=job["seed"], device=job["device"], **extra)  # the bar goes
+    # to the child's log (stderr), so a child cut by --budget still shows the step it reached and its pace
 
 
 def model_config(job: dict[str, Any]):

@@ -36,6 +36,14 @@ def load(path: str) -> tuple[dict[int, float], int, dict[str, float]]:
     return losses, skipped, {k: v for k, v in quality.items() if k != "step"}
 
 
+def run_name(path: str) -> str:
+    """'pipelined' for pipelined-metrics.jsonl (scripts/gpu_quality.sh's names), else the run directory."""
+    p = Path(path)
+    if p.is_file():
+        return p.name.replace("-metrics.jsonl", "") if p.name != "metrics.jsonl" else p.parent.name
+    return p.name
+
+
 def window_means(losses: dict[int, float], width: int = 10) -> dict[int, float]:
     """Mean of each full window of `width` steps (finite losses only), keyed by the window's last step."""
     steps = sorted(losses)
@@ -48,13 +56,13 @@ def window_means(losses: dict[int, float], width: int = 10) -> dict[int, float]:
 
 
 def compare(paths: list[str]) -> tuple[str, bool]:
-    runs = [(Path(p).parent.name if Path(p).is_file() else Path(p).name, *load(p)) for p in paths]
-    names = [Path(p).name.replace("-metrics.jsonl", "") if Path(p).is_file() else Path(p).name for p in paths]
-    ref_losses, ref_skipped = runs[0][1], runs[0][2]
+    runs = [load(p) for p in paths]
+    names = [run_name(p) for p in paths]
+    ref_losses, ref_skipped = runs[0][0], runs[0][1]
     ref_windows = window_means(ref_losses)
     ref_last = statistics.fmean([ref_losses[s] for s in sorted(ref_losses)[-50:]])
     rows, all_pass = [], True
-    for name, (_, losses, skipped, quality) in zip(names, runs):
+    for name, (losses, skipped, quality) in zip(names, runs):
         finite = [s for s in sorted(losses) if math.isfinite(losses[s])]
         nan = len(losses) - len(finite)
         last = statistics.fmean([losses[s] for s in finite[-50:]])
@@ -79,10 +87,8 @@ def plot(paths: list[str], png: Path) -> Path:
 
     fig, (ax,) = _figure()
     for p in paths:
-        losses = load(p)[0]
-        name = Path(p).name.replace("-metrics.jsonl", "") if Path(p).is_file() else Path(p).name
-        means = window_means(losses)
-        ax.plot(list(means), list(means.values()), label=name)
+        means = window_means(load(p)[0])
+        ax.plot(list(means), list(means.values()), label=run_name(p))
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss (10-step mean)")
     ax.set_yscale("log")

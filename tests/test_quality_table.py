@@ -1,0 +1,45 @@
+"""scripts/quality_table.py: issue 8's "trains as well" verdict on loss curves (synthetic metrics files)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location("quality_table", ROOT / "scripts" / "quality_table.py")
+quality_table = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(quality_table)
+
+
+def write_run(path: Path, scale: float = 1.0, nan_at: int | None = None, skipped: int = 2) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for step in range(1, 301):
+        loss = scale * (0.3 + 10 * math.exp(-step / 40))
+        lines.append({"step": step, "loss": float("nan") if step == nan_at else loss,
+                      "skipped_steps": min(step, skipped)})
+    lines.append({"step": 300, "eval_loss": 0.3 * scale, "token_accuracy": 0.9, "exact_match": 0.5})
+    path.write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+    return path
+
+
+def test_a_curve_within_the_tolerance_passes_and_one_outside_fails(tmp_path, capsys):
+    ref = write_run(tmp_path / "default-metrics.jsonl")
+    near = write_run(tmp_path / "pipelined-metrics.jsonl", scale=1.02)
+    far = write_run(tmp_path / "delayed-metrics.jsonl", scale=1.3)
+    assert quality_table.main([str(ref), str(near), "--png", str(tmp_path / "near.png")]) == 0
+    assert "| pipelined | 300 | 0 | 2 |" in capsys.readouterr().out
+    assert quality_table.main([str(ref), str(near), str(far), "--png", str(tmp_path / "all.png")]) == 1
+    out = capsys.readouterr().out
+    assert "| delayed | 300 |" in out and out.count("| NO |") == 1 and "+30.0%" in out
+    assert (tmp_path / "all.png").stat().st_size > 0
+
+
+def test_a_nan_step_or_extra_skipped_steps_fail_even_on_the_same_curve(tmp_path):
+    ref = write_run(tmp_path / "a" / "metrics.jsonl")
+    nan = write_run(tmp_path / "b" / "metrics.jsonl", nan_at=150)
+    skips = write_run(tmp_path / "c" / "metrics.jsonl", skipped=6)
+    assert quality_table.main([str(ref.parent), str(nan.parent), "--png", str(tmp_path / "x.png")]) == 1
+    assert quality_table.main([str(ref.parent), str(skips.parent), "--png", str(tmp_path / "y.png")]) == 1
