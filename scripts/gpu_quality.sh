@@ -6,15 +6,19 @@
 # The three runs share the GPU and the host at once (speed is not measured here; each gets a third of the
 # cores), then scripts/quality_table.py compares the curves. Run from the repo root on the GPU machine
 # (after the .whl prelude); writes each run's log and metrics.jsonl under $1.
+# Dry run of the mechanics on a CPU: MODEL=t5-tiny PRECISION=fp32 EXTRA="--device cpu" scripts/gpu_quality.sh /tmp/q 40
 set -uo pipefail
 out=${1:?usage: gpu_quality.sh OUT_DIR [STEPS]}
 steps=${2:-300}
+model=${MODEL:-t5-large}
+precision=${PRECISION:-fp16}
+extra=${EXTRA:---max-gpu-memory 23GiB}
 mkdir -p "$out"
-threads=$(( $(nproc) / 3 ))
-common="--model t5-large --from-scratch --data sample --src-len 8 --tgt-len 48 --batch-size 32 --lr 3e-4 --lr-schedule linear --warmup-steps 30 --max-steps $steps --precision fp16 --max-gpu-memory 23GiB --eval-examples 200 --log-every 1 --no-progress --seed 0"
+threads=$(( $(nproc) / 3 > 0 ? $(nproc) / 3 : 1 ))
+common="--model $model --from-scratch --data sample --src-len 8 --tgt-len 48 --batch-size 32 --lr 3e-4 --lr-schedule linear --warmup-steps 30 --max-steps $steps --precision $precision $extra --eval-examples 200 --log-every 1 --no-progress --seed 0"
 declare -A flags=([default]="" [pipelined]="--pipelined-update" [delayed]="--delayed-update")
 for run in default pipelined delayed; do
-  cmd="python3 -m fitone train $common ${flags[$run]} --out /tmp/quality-$run"
+  cmd="python3 -m fitone train $common ${flags[$run]} --out /tmp/quality-$run --overwrite"
   echo "\$ OMP_NUM_THREADS=$threads $cmd" > "$out/$run.log"
   ( SECONDS=0; OMP_NUM_THREADS=$threads $cmd >> "$out/$run.log" 2>&1; echo "exit $? after ${SECONDS}s" >> "$out/$run.log"
     cp /tmp/quality-$run/metrics.jsonl "$out/$run-metrics.jsonl" 2>/dev/null ) &
