@@ -153,6 +153,14 @@ def start_runtime(cfg: TrainConfig, device: str) -> DistInfo:
     return replace(info, note=note) if note else info
 
 
+def overlap_options(cfg: TrainConfig) -> dict[str, Any]:
+    """Engine keyword arguments for the overlapped update a config asks for: training and the probe build
+    the same engine, so the probe's trials hold what training will hold (the pipelined update's landing
+    chunks on the GPU)."""
+    return {"delayed_after": cfg.delayed_update_after if cfg.delayed_update else None,
+            "pipelined": cfg.pipelined_update}
+
+
 class Engine:
     """A DeepSpeed ZeRO-2 engine around a model, with the few operations training and probing need."""
 

@@ -28,7 +28,7 @@ from fitone import memory
 from fitone.config import TrainConfig
 from fitone.data import Dataset, load_dataset, worst_case_batch
 from fitone.ds_config import build_ds_config
-from fitone.engine import Engine, resolve_device, start_runtime
+from fitone.engine import Engine, overlap_options, resolve_device, start_runtime
 from fitone.errors import ConfigError
 from fitone.models import (CAUSAL, build_model, check_seq_len, enable_activation_checkpointing, load_config,
                            load_tokenizer, task_of)
@@ -246,7 +246,7 @@ class ProbeSession:
                      f"{cfg.precision}, {ckpt}) in {self.build_s:.1f} s; starting the DeepSpeed ZeRO-2 engine "
                      f"(optimizer on {'the CPU' if cfg.offload == 'cpu' else 'the GPU'})")
         torch.manual_seed(cfg.seed)  # dropout masks, as in training
-        self.engine = Engine(self.model, self.ds_config)
+        self.engine = Engine(self.model, self.ds_config, **overlap_options(cfg))
         self.engine.ds.train()
         self.init_s += self.engine.init_s
         self.say(f"engine ready in {self.engine.init_s:.1f} s")
@@ -352,7 +352,8 @@ class ProbeSession:
             "batch_target_tokens": None if self.task == CAUSAL else self.batch_tokens["labels"],
             "data": cfg.data, "worst_case": "longest examples" if self.data is not None else "maximum lengths",
             "precision": cfg.precision, "activation_checkpointing": cfg.activation_checkpointing,
-            "offload": cfg.offload, "ds_config": cfg.ds_config, "device": self.device, "gpu": memory.gpu_name(),
+            "offload": cfg.offload, "pipelined_update": cfg.pipelined_update, "ds_config": cfg.ds_config,
+            "device": self.device, "gpu": memory.gpu_name(),
             "max_gpu_memory": cfg.max_gpu_memory, "gpu_total_bytes": memory.gpu_total_bytes(), "world_size": 1,
             "engine_init_s": self.init_s, "model_build_s": self.build_s,
             "engine_rebuilds": self.rebuilds, "skipped_steps": self.skipped_steps,
@@ -441,6 +442,8 @@ def probe_key(cfg: TrainConfig, config, device: str) -> dict[str, Any]:
         "expandable_segments": cfg.expandable_segments if device == "cuda" else None,
         "world_size": 1, "fitone": fitone.__version__, "deepspeed": deepspeed.__version__,
     }
+    if cfg.pipelined_update:  # its landing chunks take GPU memory (the delayed update's extra is on the host)
+        key["pipelined_update"] = True
     return key
 
 
@@ -504,8 +507,11 @@ def _measured(result: ProbeResult) -> str:
 
 def _recipe_values(meta: dict[str, Any]) -> dict[str, Any]:
     names = ("model", "from_scratch", "data", "src_len", "tgt_len", "seq_len", "precision",
-             "activation_checkpointing", "offload", "max_gpu_memory", "device")
-    return {k: meta[k] for k in names if meta.get(k) is not None}
+             "activation_checkpointing", "offload", "pipelined_update", "max_gpu_memory", "device")
+    values = {k: meta[k] for k in names if meta.get(k) is not None}
+    if not values.get("pipelined_update"):  # the default: not worth a line
+        values.pop("pipelined_update", None)
+    return values
 
 
 def _yaml_scalar(value: Any) -> str:

@@ -24,7 +24,7 @@ from fitone.config import TrainConfig, gib
 from fitone.data import (Dataset, batches, data_file, load_dataset, read_jsonl, require_one_batch, resume_position,
                          steps_per_epoch)
 from fitone.ds_config import build_ds_config, read_user_config
-from fitone.engine import DistInfo, Engine, cpu_adam_built, resolve_device, start_runtime
+from fitone.engine import DistInfo, Engine, cpu_adam_built, overlap_options, resolve_device, start_runtime
 from fitone.errors import ConfigError, MemoryBudgetError, RunDirError, TrainingAborted
 from fitone.guards import BadStepStreak, HostMemoryWatch, StopRequest, is_loss_scale_collapse, numerics_advice
 from fitone.metrics import MetricsLog
@@ -215,9 +215,7 @@ class Trainer:
         memory.reset_gpu_peak()
         if self.cfg.offload == "cpu" and not cpu_adam_built():
             self._say("building DeepSpeed's CPU Adam once for this machine (1-2 minutes; cached for later runs)")
-        self.engine = Engine(self.loaded.model, ds_config,
-                             delayed_after=self.cfg.delayed_update_after if self.cfg.delayed_update else None,
-                             pipelined=self.cfg.pipelined_update)
+        self.engine = Engine(self.loaded.model, ds_config, **overlap_options(self.cfg))
         if self.cfg.delayed_update:
             self._say(f"delayed parameter update after {self.cfg.delayed_update_after} plain steps: each step's "
                       "CPU Adam runs while the GPU computes the next step, on weights one update old")

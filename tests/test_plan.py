@@ -207,6 +207,16 @@ def test_cli_table(capsys):
     assert "verdict:" in out and "largest micro-batch that fits" in out
 
 
+@pytest.mark.parametrize("flag, component, where", [("--pipelined-update", "pipelined-update landing", "gpu"),
+                                                     ("--delayed-update", "delayed-update gradients", "host")])
+def test_cli_counts_the_overlapped_update_a_flag_asks_for(capsys, flag, component, where):
+    argv = ["plan", "--model", "t5-small", "--from-scratch", "--gpu-mem", "24GiB", "--host-mem", "64GiB", "--json"]
+    assert dispatch(argv) == 0
+    assert component not in {c["name"] for c in json.loads(capsys.readouterr().out)["components"][where]}
+    assert dispatch([*argv, flag]) == 0
+    assert component in {c["name"] for c in json.loads(capsys.readouterr().out)["components"][where]}
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--model", "t5-small", "--from-scratch", "--gpu-mem", "24XB"], "24GiB"),
     (["--model", "no-such-model", "--from-scratch", "--gpu-mem", "24GiB"], "shipped config"),

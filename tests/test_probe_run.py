@@ -121,6 +121,25 @@ def test_forward_oom_search_tries_these_sizes_then_backs_off_by_the_margin(cache
     assert [p.name for p in cache_root.iterdir()] == [meta["cache_file"].rsplit("/", 1)[-1]]
 
 
+def test_with_the_pipelined_update_the_probe_trials_run_the_engine_training_will_run(monkeypatch, tmp_path):
+    """Same faked budget and search as the default, on an engine with the pipelined update (its thread
+    really runs between trials, and a backward OOM arrives while the forward hooks have waited for it)."""
+    built = []  # the update mode of each engine the probe builds
+
+    def engine(*args, **kwargs):
+        made = Engine(*args, **kwargs)
+        built.append(type(made.overlap).__name__)
+        return made
+
+    monkeypatch.setattr("fitone.probe_run.Engine", engine)
+    result = probe_batch(probe_config(pipelined_update=True), verify_steps=2, say=quiet,
+                         on_model=Budget(limit=5, phase="backward"))
+    assert sizes(result) == [1, 2, 4, 8, 6, 5, 4] and result.chosen == 4 and result.verified
+    assert built and set(built) == {"PipelinedUpdate"}
+    recipe = yaml.safe_load(probe_run.save_to_recipe(result, tmp_path / "mine.yaml").read_text())
+    assert recipe["pipelined_update"] is True and recipe["batch_size"] == 4  # the recipe trains what was probed
+
+
 def test_backward_oom_is_reset_and_later_steps_match_a_fresh_engine(tmp_path):
     # small gradient buckets, so that ZeRO-2 reduces (and marks as reduced) layers mid-backward, as on big models
     ds_file = tmp_path / "small-buckets.json"
@@ -322,7 +341,9 @@ def test_cache_key_follows_what_decides_memory(tmp_path):
     for change in ({"precision": "bf16"}, {"src_len": 16}, {"tgt_len": 16}, {"activation_checkpointing": False},
                    {"offload": "none"}):
         assert probe_key(base.replace(**change), config, "cpu") != key, change
-    for same in ({"lr": 0.5}, {"seed": 7}, {"batch_size": 64}, {"seq_len": 64}, {"data": "synthetic"}):
+    assert probe_key(base.replace(pipelined_update=True), config, "cpu") != key  # GPU landing chunks
+    for same in ({"lr": 0.5}, {"seed": 7}, {"batch_size": 64}, {"seq_len": 64}, {"data": "synthetic"},
+                 {"delayed_update": True}):  # the delayed update's extra buffer is on the host
         assert probe_key(base.replace(**same), config, "cpu") == key, same  # seq_len: not a T5's length
     other = load_config("t5-small", from_scratch=True)
     assert probe_key(base, other, "cpu") != key
