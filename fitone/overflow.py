@@ -28,24 +28,27 @@ def defer_overflow_check(optimizer: Any) -> bool:
         return False
     from deepspeed.runtime.utils import has_inf_or_nan
 
-    found: list[torch.Tensor] = []  # at most one device flag: any inf/NaN in this step's gradients so far
+    found: torch.Tensor | None = None  # a device flag: any inf/NaN in this step's gradients so far
     plain_check, plain_reset = optimizer.check_overflow, optimizer.reset_cpu_buffers
 
     def update_offload_overflow_tracker(grad: torch.Tensor | None) -> None:
+        nonlocal found
         if grad is None or not optimizer.check_grad_overflow:  # nobody reads the answer: skip the work
             return
         flag = has_inf_or_nan(grad.data)  # a device scalar: no sync
-        found[:] = [flag if not found else torch.logical_or(found[0], flag)]
+        found = flag if found is None else torch.logical_or(found, flag)
 
     def check_overflow(partition_gradients: bool = True) -> Any:
-        if found:  # the step has waited for the gradient copies, and the flags come before them
-            flag = found.pop()
+        nonlocal found
+        if found is not None:  # the step has waited for the gradient copies, and the flags come before them
+            flag, found = found, None
             if bool(flag):  # the one sync of the step
                 optimizer.local_overflow = True
         return plain_check(partition_gradients)
 
     def reset_cpu_buffers() -> None:
-        found.clear()
+        nonlocal found
+        found = None
         plain_reset()
 
     optimizer.update_offload_overflow_tracker = update_offload_overflow_tracker

@@ -55,8 +55,8 @@ def window_means(losses: dict[int, float], width: int = 10) -> dict[int, float]:
     return out
 
 
-def compare(paths: list[str]) -> tuple[str, bool]:
-    runs = [load(p) for p in paths]
+def compare(paths: list[str], runs: list[tuple[dict[int, float], int, dict[str, float]]]) -> tuple[str, bool]:
+    """The table and whether every run passes; `runs` are `load` of each path, the first the reference."""
     names = [run_name(p) for p in paths]
     ref_losses, ref_skipped = runs[0][0], runs[0][1]
     ref_windows = window_means(ref_losses)
@@ -82,12 +82,12 @@ def compare(paths: list[str]) -> tuple[str, bool]:
     return "\n".join(head + rows), all_pass
 
 
-def plot(paths: list[str], png: Path) -> Path:
+def plot(paths: list[str], runs: list[tuple[dict[int, float], int, dict[str, float]]], png: Path) -> Path:
     from fitone.report import _figure, _save
 
     fig, (ax,) = _figure()
-    for p in paths:
-        means = window_means(load(p)[0])
+    for p, (losses, _, _) in zip(paths, runs):
+        means = window_means(losses)
         ax.plot(list(means), list(means.values()), label=run_name(p))
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("training loss (10-step mean)")
@@ -101,11 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("metrics", nargs="+", help="metrics.jsonl files or run directories; the first is the reference")
     ap.add_argument("--png", type=Path, help="where to draw the curves (default: curves.png next to the first)")
     args = ap.parse_args(argv)
-    table, ok = compare(args.metrics)
+    runs = [load(p) for p in args.metrics]
+    table, ok = compare(args.metrics, runs)
     print(table)
     first = Path(args.metrics[0])
     png = args.png or (first.parent if first.is_file() else first) / "curves.png"
-    print(f"wrote {plot(args.metrics, png)}")
+    print(f"wrote {plot(args.metrics, runs, png)}")
     return 0 if ok else 1
 
 

@@ -33,6 +33,38 @@ def cpu_config(**overrides) -> TrainConfig:
     return TrainConfig(**values)
 
 
+def tiny_engine(precision: str = "fp32", **engine_options):
+    """A real ZeRO-2 CPU-offload engine on the tiny T5 (seeded weights, micro-batch 4, constant lr 1e-3,
+    clip 1.0 so the clip path runs); `engine_options` go to fitone.engine.Engine."""
+    import torch
+
+    from fitone.ds_config import build_ds_config
+    from fitone.engine import Engine, resolve_device, start_runtime
+    from fitone.models import build_model, load_config
+
+    cfg = cpu_config(precision=precision, lr=1e-3, lr_schedule="constant", warmup_steps=0)
+    start_runtime(cfg, resolve_device(cfg))
+    torch.manual_seed(0)
+    model = build_model(load_config("t5-tiny", from_scratch=True))
+    ds = build_ds_config(cfg, micro_batch=4, world_size=1, total_steps=100, on_gpu=False)
+    return Engine(model, ds, **engine_options)
+
+
+def fixed_batch(step: int, vocab: int = 256) -> dict:
+    """The same 4 x 8 -> 6-token batch for the same step number, for engines compared step by step."""
+    import torch
+
+    g = torch.Generator().manual_seed(step)
+    ids = torch.randint(3, vocab, (4, 8), generator=g)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+            "labels": torch.randint(3, vocab, (4, 6), generator=g)}
+
+
+def weights(engine) -> dict:
+    """A copy of the engine module's parameters, by name."""
+    return {k: v.detach().clone() for k, v in engine.module.named_parameters()}
+
+
 def _save_tiny(name: str, path: Path) -> Path:
     """A tiny model saved like a downloaded one: config, weights and tokenizer files."""
     from fitone.models import build_model, load_config

@@ -10,10 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from conftest import cpu_config
-from fitone.ds_config import build_ds_config
-from fitone.engine import Engine, resolve_device, start_runtime
-from fitone.models import build_model, load_config
+from conftest import fixed_batch, tiny_engine, weights
 
 
 class NoHostSync(torch.Tensor):
@@ -23,26 +20,8 @@ class NoHostSync(torch.Tensor):
         raise AssertionError("the overflow tracker asked for a tensor's truth value: a host sync per gradient")
 
 
-def make_engine(precision: str = "bf16") -> Engine:
-    cfg = cpu_config(precision=precision, lr=1e-3, lr_schedule="constant", warmup_steps=0)
-    start_runtime(cfg, resolve_device(cfg))
-    torch.manual_seed(0)
-    model = build_model(load_config("t5-tiny", from_scratch=True))
-    return Engine(model, build_ds_config(cfg, micro_batch=4, world_size=1, total_steps=100, on_gpu=False))
-
-
-def batch(step: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(step)
-    ids = torch.randint(3, 256, (4, 8), generator=g)
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.randint(3, 256, (4, 6), generator=g)}
-
-
-def weights(engine: Engine) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in engine.module.named_parameters()}
-
-
 def test_the_engine_defers_deepspeeds_offload_overflow_check():
-    engine = make_engine()
+    engine = tiny_engine("bf16")
     try:
         assert engine.overflow_deferred and engine.optimizer.check_grad_overflow
         engine.optimizer.update_offload_overflow_tracker(torch.zeros(8).as_subclass(NoHostSync))
@@ -54,9 +33,9 @@ def test_the_engine_defers_deepspeeds_offload_overflow_check():
 def test_an_inf_in_one_gradient_drops_the_step_and_the_next_clean_step_applies():
     """The inf is put into one gradient as the backward produces it (a tensor hook), so it reaches the
     host copy and the tracker the way a real fp16/bf16 overflow does."""
-    engine = make_engine()
+    engine = tiny_engine("bf16")
     try:
-        engine.backward(engine.forward(batch(0)))
+        engine.backward(engine.forward(fixed_batch(0)))
         engine.optimizer._wait_for_offload_copies()
         engine.optimizer.check_overflow()
         assert not engine.optimizer.overflow
@@ -64,7 +43,7 @@ def test_an_inf_in_one_gradient_drops_the_step_and_the_next_clean_step_applies()
         before = weights(engine)
         param = next(p for n, p in engine.module.named_parameters() if "layer.0.SelfAttention.q" in n)
         handle = param.register_hook(lambda g: torch.full_like(g, float("inf")))
-        engine.backward(engine.forward(batch(1)))
+        engine.backward(engine.forward(fixed_batch(1)))
         handle.remove()
         engine.optimizer._wait_for_offload_copies()
         engine.optimizer.check_overflow()  # the tracker's flag alone (the step's norm check would also see the inf)
@@ -72,7 +51,7 @@ def test_an_inf_in_one_gradient_drops_the_step_and_the_next_clean_step_applies()
         engine.step()
         assert engine.optimizer.overflow and not engine.last_step_applied and engine.skipped_steps == 1
         assert all(torch.equal(before[k], v) for k, v in weights(engine).items())
-        engine.backward(engine.forward(batch(2)))
+        engine.backward(engine.forward(fixed_batch(2)))
         engine.step()
         assert not engine.optimizer.overflow and engine.last_step_applied and engine.skipped_steps == 1
         assert any(not torch.equal(before[k], v) for k, v in weights(engine).items())
@@ -83,11 +62,11 @@ def test_an_inf_in_one_gradient_drops_the_step_and_the_next_clean_step_applies()
 def test_a_flag_left_by_an_interrupted_backward_is_cleared_with_deepspeeds_buffers():
     """reset_cpu_buffers (what DeepSpeed and fitone's OOM recovery call between steps) forgets a flag
     raised by gradients that never reached a step."""
-    engine = make_engine()
+    engine = tiny_engine("bf16")
     try:
         engine.optimizer.update_offload_overflow_tracker(torch.tensor([1.0, float("inf")]))
         engine.optimizer.reset_cpu_buffers()
-        engine.backward(engine.forward(batch(0)))
+        engine.backward(engine.forward(fixed_batch(0)))
         engine.step()
         assert engine.last_step_applied and engine.skipped_steps == 0
     finally:
@@ -95,11 +74,11 @@ def test_a_flag_left_by_an_interrupted_backward_is_cleared_with_deepspeeds_buffe
 
 
 def test_fp32_skips_the_check_deepspeed_never_reads():
-    engine = make_engine("fp32")
+    engine = tiny_engine()
     try:
         assert not engine.optimizer.check_grad_overflow
         engine.optimizer.update_offload_overflow_tracker(torch.tensor([float("inf")]))
-        engine.backward(engine.forward(batch(0)))
+        engine.backward(engine.forward(fixed_batch(0)))
         engine.step()
         assert engine.last_step_applied
     finally:

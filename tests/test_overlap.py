@@ -13,26 +13,13 @@ import pytest
 import torch
 
 import fitone
-from conftest import cpu_config
-from fitone.ds_config import build_ds_config
-from fitone.engine import Engine, resolve_device, start_runtime
+from conftest import cpu_config, fixed_batch, tiny_engine, weights
+from fitone.engine import Engine
 from fitone.models import build_model, load_config
 
 
 def make_engine(delayed_after: int | None) -> Engine:
-    cfg = cpu_config(lr=1e-3, lr_schedule="constant", warmup_steps=0)  # grad_clip 1.0: the clip path runs
-    start_runtime(cfg, resolve_device(cfg))
-    torch.manual_seed(0)
-    model = build_model(load_config("t5-tiny", from_scratch=True))
-    ds = build_ds_config(cfg, micro_batch=4, world_size=1, total_steps=100, on_gpu=False)
-    return Engine(model, ds, delayed_after=delayed_after)
-
-
-def batch(step: int, vocab: int = 256) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(step)
-    ids = torch.randint(3, vocab, (4, 8), generator=g)
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-            "labels": torch.randint(3, vocab, (4, 6), generator=g)}
+    return tiny_engine(delayed_after=delayed_after)
 
 
 def run(engine: Engine, steps: range, *, sync_each_step: bool = False,
@@ -45,17 +32,13 @@ def run(engine: Engine, steps: range, *, sync_each_step: bool = False,
     seen, losses = [], []
     for step in steps:
         seen.append(weights(engine))
-        loss = engine.forward(batch(step))
+        loss = engine.forward(fixed_batch(step))
         engine.backward(loss * float("nan") if step == nan_at else loss)
         engine.step()
         if sync_each_step:
             engine.sync_weights()
         losses.append(loss.item())
     return seen, losses
-
-
-def weights(engine: Engine) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in engine.module.named_parameters()}
 
 
 def close_to(a: dict, b: dict, atol: float = 1e-6) -> bool:
