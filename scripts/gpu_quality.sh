@@ -6,6 +6,8 @@
 # The three runs share the GPU and the host at once (speed is not measured here; each gets a third of the
 # cores), then scripts/quality_table.py compares the curves. Run from the repo root on the GPU machine
 # (after the .whl prelude); writes each run's log and metrics.jsonl under $1.
+# Each run is stopped after LIMIT seconds (default 520, under the device tool's 600 s a call) so that what it
+# logged still comes back; its metrics.jsonl is written as it goes, so a cut run still gives a partial curve.
 # Dry run of the mechanics on a CPU: MODEL=t5-tiny PRECISION=fp32 EXTRA="--device cpu" scripts/gpu_quality.sh /tmp/q 40
 set -uo pipefail
 out=${1:?usage: gpu_quality.sh OUT_DIR [STEPS]}
@@ -13,6 +15,7 @@ steps=${2:-300}
 model=${MODEL:-t5-large}
 precision=${PRECISION:-fp16}
 extra=${EXTRA:---max-gpu-memory 23GiB}
+limit=${LIMIT:-520}
 mkdir -p "$out"
 threads=$(( $(nproc) / 3 > 0 ? $(nproc) / 3 : 1 ))
 common="--model $model --from-scratch --data sample --src-len 8 --tgt-len 48 --batch-size 32 --lr 3e-4 --lr-schedule linear --warmup-steps 30 --max-steps $steps --precision $precision $extra --eval-examples 200 --log-every 1 --no-progress --seed 0"
@@ -20,7 +23,7 @@ declare -A flags=([default]="" [pipelined]="--pipelined-update" [delayed]="--del
 for run in default pipelined delayed; do
   cmd="python3 -m fitone train $common ${flags[$run]} --out /tmp/quality-$run --overwrite"
   echo "\$ OMP_NUM_THREADS=$threads $cmd" > "$out/$run.log"
-  ( SECONDS=0; OMP_NUM_THREADS=$threads $cmd >> "$out/$run.log" 2>&1; echo "exit $? after ${SECONDS}s" >> "$out/$run.log"
+  ( SECONDS=0; OMP_NUM_THREADS=$threads timeout "$limit" $cmd >> "$out/$run.log" 2>&1; echo "exit $? after ${SECONDS}s" >> "$out/$run.log"
     cp /tmp/quality-$run/metrics.jsonl "$out/$run-metrics.jsonl" 2>/dev/null ) &
 done
 wait
