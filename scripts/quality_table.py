@@ -4,11 +4,14 @@
 
 Each argument is a `fitone train` metrics.jsonl (or its run directory) logged with --log-every 1; the
 first is the reference. Prints a markdown table: steps, NaN/inf losses, skipped steps (fp16 loss-scale
-search), mean loss over the last 50 steps and its gap to the reference, the largest gap between
-10-step means over the run, and the held-out quality numbers. Draws the curves to a PNG next to the first
-file (or --png). The tolerance stated with the table is TOLERANCE: a run passes when its last-50 mean
-and every 10-step mean after the warm-up stay within it (relative to the reference's), it has no NaN
-step, and it skipped no more steps than the reference plus 2.
+search), mean loss over the last 50 steps that every run reached and its gap to the reference, the
+largest gap between 10-step means over the run (signed: negative is a lower loss than the reference's),
+and the held-out quality numbers with the eval_loss gap. Draws the curves to a PNG next to the first
+file (or --png). The tolerance stated with the table is TOLERANCE, both ways: a run passes when its
+last-50 mean, every 10-step mean after the warm-up and its held-out eval_loss stay within it (relative to
+the reference's), it has no NaN step, and it skipped no more steps than the reference plus 2. A run cut
+short is compared on the steps all runs share; where either side has no held-out eval_loss the verdict
+is "curve only" (the run's curve passes, its final quality number could not be compared).
 """
 
 from __future__ import annotations
@@ -58,26 +61,38 @@ def window_means(losses: dict[int, float], width: int = 10) -> dict[int, float]:
 def compare(paths: list[str], runs: list[tuple[dict[int, float], int, dict[str, float]]]) -> tuple[str, bool]:
     """The table and whether every run passes; `runs` are `load` of each path, the first the reference."""
     names = [run_name(p) for p in paths]
-    ref_losses, ref_skipped = runs[0][0], runs[0][1]
+    ref_losses, ref_skipped, ref_quality = runs[0]
     ref_windows = window_means(ref_losses)
-    ref_last = statistics.fmean([ref_losses[s] for s in sorted(ref_losses)[-50:]])
+    common = min(max(losses) for losses, _, _ in runs)  # a run cut short: compare where all runs have steps
+    tail = range(max(1, common - 49), common + 1)
+
+    def tail_mean(losses: dict[int, float]) -> float:
+        return statistics.fmean([losses[s] for s in tail if s in losses and math.isfinite(losses[s])])
+
+    ref_last = tail_mean(ref_losses)
     rows, all_pass = [], True
     for name, (losses, skipped, quality) in zip(names, runs):
-        finite = [s for s in sorted(losses) if math.isfinite(losses[s])]
-        nan = len(losses) - len(finite)
-        last = statistics.fmean([losses[s] for s in finite[-50:]])
+        nan = sum(not math.isfinite(v) for v in losses.values())
+        last = tail_mean(losses)
         windows = window_means(losses)
-        gaps = [(abs(windows[e] - ref_windows[e]) / ref_windows[e], e) for e in windows
+        gaps = [((windows[e] - ref_windows[e]) / ref_windows[e], e) for e in windows
                 if e in ref_windows and e > SETTLE]
-        worst, at = max(gaps) if gaps else (0.0, 0)
-        ok = nan == 0 and abs(last - ref_last) / ref_last <= TOLERANCE and worst <= TOLERANCE \
+        worst, at = max(gaps, key=lambda g: abs(g[0])) if gaps else (0.0, 0)
+        curve_ok = nan == 0 and abs(last - ref_last) / ref_last <= TOLERANCE and abs(worst) <= TOLERANCE \
             and skipped <= ref_skipped + 2
-        all_pass &= ok
         q = ", ".join(f"{k} {v:.3f}" for k, v in quality.items()) or "–"
+        if "eval_loss" in quality and "eval_loss" in ref_quality:
+            eval_gap = (quality["eval_loss"] - ref_quality["eval_loss"]) / ref_quality["eval_loss"]
+            q += f" ({100 * eval_gap:+.1f}%)"
+            verdict = "yes" if curve_ok and abs(eval_gap) <= TOLERANCE else "NO"
+        else:
+            verdict = "curve only" if curve_ok else "NO"
+        all_pass &= verdict == "yes"
         rows.append(f"| {name} | {len(losses)} | {nan} | {skipped} | {last:.4f} | {100 * (last - ref_last) / ref_last:+.1f}% "
-                    f"| {100 * worst:.1f}% (steps {at - 9}-{at}) | {q} | {'yes' if ok else 'NO'} |")
-    head = ["| run | steps | NaN/inf losses | skipped steps | last-50 mean loss | vs first | largest 10-step-mean gap "
-            f"after step {SETTLE} | held-out quality | within {100 * TOLERANCE:.0f}% |",
+                    f"| {100 * worst:+.1f}% (steps {at - 9}-{at}) | {q} | {verdict} |")
+    head = [f"| run | steps | NaN/inf losses | skipped steps | mean loss, steps {tail[0]}-{tail[-1]} | vs first "
+            f"| largest 10-step-mean gap after step {SETTLE} | held-out quality (eval_loss vs first) "
+            f"| within {100 * TOLERANCE:.0f}% |",
             "|---|---|---|---|---|---|---|---|---|"]
     return "\n".join(head + rows), all_pass
 

@@ -13,14 +13,17 @@ quality_table = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(quality_table)
 
 
-def write_run(path: Path, scale: float = 1.0, nan_at: int | None = None, skipped: int = 2) -> Path:
+def write_run(path: Path, scale: float = 1.0, nan_at: int | None = None, skipped: int = 2, steps: int = 300,
+              eval_scale: float | None = None) -> Path:
+    """A decaying loss curve times `scale`; a held-out eval_loss at the end unless the run was cut (steps < 300)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = []
-    for step in range(1, 301):
+    for step in range(1, steps + 1):
         loss = scale * (0.3 + 10 * math.exp(-step / 40))
         lines.append({"step": step, "loss": float("nan") if step == nan_at else loss,
                       "skipped_steps": min(step, skipped)})
-    lines.append({"step": 300, "eval_loss": 0.3 * scale, "token_accuracy": 0.9, "exact_match": 0.5})
+    if steps == 300:
+        lines.append({"step": 300, "eval_loss": 0.3 * (eval_scale or scale), "token_accuracy": 0.9, "exact_match": 0.5})
     path.write_text("\n".join(json.dumps(r) for r in lines) + "\n")
     return path
 
@@ -43,3 +46,26 @@ def test_a_nan_step_or_extra_skipped_steps_fail_even_on_the_same_curve(tmp_path)
     skips = write_run(tmp_path / "c" / "metrics.jsonl", skipped=6)
     assert quality_table.main([str(ref.parent), str(nan.parent), "--png", str(tmp_path / "x.png")]) == 1
     assert quality_table.main([str(ref.parent), str(skips.parent), "--png", str(tmp_path / "y.png")]) == 1
+
+
+def test_a_run_cut_short_is_compared_on_the_shared_steps_and_gets_no_final_verdict(tmp_path, capsys):
+    # The reference stopped at step 281 (as on the GPU, when a call's time ran out): the last-50 means are
+    # taken over steps 232-281 for both, so the longer run's later, lower losses do not count as a gap.
+    ref = write_run(tmp_path / "default-metrics.jsonl", steps=281)
+    same = write_run(tmp_path / "pipelined-metrics.jsonl")
+    assert quality_table.main([str(ref), str(same), "--png", str(tmp_path / "cut.png")]) == 1
+    out = capsys.readouterr().out
+    assert "steps 232-281" in out
+    assert "| pipelined | 300 | 0 | 2 | " in out and "| +0.0% | +0.0% (steps" in out
+    assert out.count("| curve only |") == 2  # no reference eval_loss: the curve passes, the verdict waits
+
+
+def test_the_gap_is_signed_and_the_held_out_loss_is_held_to_the_tolerance(tmp_path, capsys):
+    ref = write_run(tmp_path / "default-metrics.jsonl")
+    lower = write_run(tmp_path / "pipelined-metrics.jsonl", scale=0.97)
+    worse_eval = write_run(tmp_path / "delayed-metrics.jsonl", eval_scale=1.2)
+    assert quality_table.main([str(ref), str(lower), "--png", str(tmp_path / "a.png")]) == 0
+    out = capsys.readouterr().out
+    assert "-3.0% (steps" in out and "(-3.0%) | yes |" in out
+    assert quality_table.main([str(ref), str(worse_eval), "--png", str(tmp_path / "b.png")]) == 1
+    assert "(+20.0%) | NO |" in capsys.readouterr().out
