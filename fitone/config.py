@@ -63,6 +63,7 @@ class TrainConfig:
     src_len: int = 128
     tgt_len: int = 128
     seq_len: int = 512
+    eval_data: str | None = None  # held-out JSONL with the same fields as --data ('sample' brings its own)
     eval_examples: int = 64
     # batch and schedule
     batch_size: int | str = 8

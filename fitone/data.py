@@ -64,10 +64,11 @@ class SyntheticExamples(Sequence[Example]):
         return Example(src, torch.randint(3, self.vocab, (self.tgt_len,), generator=g).tolist())
 
 
-def read_jsonl(path: Path, fields: Sequence[str]) -> list[dict[str, str]]:
+def read_jsonl(path: Path, fields: Sequence[str], *, flag: str = "--data") -> list[dict[str, str]]:
     """Rows of a JSONL file, each checked to hold the given text fields. Errors name the file and line."""
     if not path.exists():
-        raise DataError(f"data file {path} does not exist: give a JSONL path, 'sample' or 'synthetic'")
+        choices = ", 'sample' or 'synthetic'" if flag == "--data" else ""
+        raise DataError(f"{flag} file {path} does not exist: give a JSONL path{choices}")
     if path.is_dir():
         raise DataError(f"data path {path} is a directory: give a JSONL file")
     try:
@@ -106,7 +107,10 @@ def _field_flag(name: str, fields: Sequence[str]) -> str:
 
 def data_file(cfg: TrainConfig, task: str, *, split: str = "train") -> tuple[Path, tuple[str, ...]] | None:
     """The JSONL file and text fields a run reads for `split`; None when there is none (synthetic data,
-    or the eval split of a user's file: fitone does not hold out silently)."""
+    or no --eval-data beside a user's file: fitone does not hold out silently)."""
+    user_fields = (cfg.source_field, cfg.target_field) if task == SEQ2SEQ else (cfg.text_field,)
+    if split == "eval" and cfg.eval_data:
+        return Path(cfg.eval_data), user_fields
     if cfg.data == "synthetic":
         return None
     if cfg.data == "sample":
@@ -116,8 +120,7 @@ def data_file(cfg: TrainConfig, task: str, *, split: str = "train") -> tuple[Pat
         return (SAMPLE_EVAL if split == "eval" else SAMPLE_TRAIN), ("source", "target")
     if split == "eval":
         return None
-    fields = (cfg.source_field, cfg.target_field) if task == SEQ2SEQ else (cfg.text_field,)
-    return Path(cfg.data), fields
+    return Path(cfg.data), user_fields
 
 
 def load_dataset(cfg: TrainConfig, task: str, tokenizer, vocab_size: int, *, split: str = "train",
@@ -126,9 +129,7 @@ def load_dataset(cfg: TrainConfig, task: str, tokenizer, vocab_size: int, *, spl
 
     `rows` are the file's rows when the caller has already read (and so checked) them.
     """
-    if cfg.data == "synthetic":
-        if split == "eval":
-            return None
+    if cfg.data == "synthetic" and split == "train":
         src = cfg.seq_len if task == CAUSAL else cfg.src_len
         return Dataset(task, SyntheticExamples(task, vocab_size, src, cfg.tgt_len, cfg.seed), source="synthetic")
     found = data_file(cfg, task, split=split)
@@ -136,7 +137,7 @@ def load_dataset(cfg: TrainConfig, task: str, tokenizer, vocab_size: int, *, spl
         return None
     path, fields = found
     if rows is None:
-        rows = read_jsonl(path, fields)
+        rows = read_jsonl(path, fields, flag="--eval-data" if split == "eval" and cfg.eval_data else "--data")
     return tokenize(rows, fields, task, tokenizer, cfg, source=str(path))
 
 

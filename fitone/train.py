@@ -169,6 +169,11 @@ class Trainer:
             cfg.accumulation(int(cfg.batch_size), int(os.environ.get("WORLD_SIZE", "1")))
         found = data_file(cfg, task)
         self._rows = read_jsonl(*found) if found else None  # read once: checked now, tokenised after the model
+        self._eval_fields = ("source", "target")  # the held-out rows' fields: exact match compares the second
+        self._eval_rows = None
+        if cfg.eval_data and cfg.eval_examples:
+            path, self._eval_fields = data_file(cfg, task, split="eval")
+            self._eval_rows = read_jsonl(path, self._eval_fields, flag="--eval-data")
 
     def _setup_model(self) -> None:
         cfg = self.cfg
@@ -179,7 +184,8 @@ class Trainer:
     def _setup_data(self) -> None:
         cfg, m = self.cfg, self.loaded
         self.data: Dataset = load_dataset(cfg, m.task, m.tokenizer, m.config.vocab_size, rows=self._rows)
-        self.eval_data = load_dataset(cfg, m.task, m.tokenizer, m.config.vocab_size, split="eval")
+        self.eval_data = None if cfg.eval_examples == 0 else \
+            load_dataset(cfg, m.task, m.tokenizer, m.config.vocab_size, split="eval", rows=self._eval_rows)
         self.pad_id = m.tokenizer.pad_token_id
         require_one_batch(self.data, self.micro_batch, self.dist.world_size)
         if self.data.truncated:
@@ -471,7 +477,7 @@ class Trainer:
                 out = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                                      max_new_tokens=self.cfg.tgt_len, do_sample=False, num_beams=1)
                 texts = tok.batch_decode(out, skip_special_tokens=True)
-                hits += sum(t.strip() == r[self.eval_data_fields[1]].strip()
+                hits += sum(t.strip() == r[self._eval_fields[1]].strip()
                             for t, r in zip(texts, self.eval_data.raw[i:i + 16]))
         model.train()
         result = {"eval_loss": sum(losses) / len(losses), "token_accuracy": right / max(counted, 1)}
@@ -480,10 +486,6 @@ class Trainer:
         self._say("quality on " + f"{n} held-out examples: " + ", ".join(f"{k} {v:.3f}" for k, v in result.items()))
         self.metrics.write({"step": self.state["step"], **result})  # `fitone report` draws it beside the loss
         return result
-
-    @property
-    def eval_data_fields(self) -> tuple[str, str]:
-        return ("source", "target") if self.cfg.data == "sample" else (self.cfg.source_field, self.cfg.target_field)
 
     def cleanup(self) -> None:
         """Tear the engine down (also after an error) so the process can train again."""

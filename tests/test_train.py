@@ -81,6 +81,26 @@ def test_pretrained_dir_trains_and_export_loads_and_generates(tiny_t5_dir, tmp_p
         assert key in first
 
 
+def test_eval_data_scores_the_users_held_out_file(tmp_path, text_jsonl):
+    """--eval-data: the same numbers the shipped sample's own held-out set gives when it is that file, under
+    the user's field names; a user's training file alone is never split to make one."""
+    import json
+
+    from fitone.data import SAMPLE_EVAL, data_file
+    from fitone.models import CAUSAL, SEQ2SEQ
+
+    renamed = tmp_path / "held-out.jsonl"
+    renamed.write_text("".join(json.dumps({"question": r["source"], "answer": r["target"]}) + "\n"
+                               for r in map(json.loads, SAMPLE_EVAL.read_text().splitlines())))
+    common = dict(max_steps=6, eval_examples=16)
+    shipped = fitone.train(cpu_config(**common))
+    users = fitone.train(cpu_config(**common, eval_data=str(renamed), source_field="question", target_field="answer"))
+    assert set(users.quality) == {"eval_loss", "token_accuracy", "exact_match"}
+    assert users.quality == pytest.approx(shipped.quality, rel=1e-6)
+    assert data_file(cpu_config(data=str(text_jsonl)), CAUSAL, split="eval") is None
+    assert data_file(cpu_config(data="synthetic"), SEQ2SEQ, split="eval") is None
+
+
 def test_resume_continues_the_uninterrupted_curve(tmp_path):
     """Stop after 10 steps, resume to 20: steps 11-20 match the uninterrupted run (CPU fp32: to 1e-5)."""
     common = dict(max_steps=20, warmup_steps=5, lr_schedule="constant", batch_size=8)
