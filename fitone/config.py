@@ -65,6 +65,7 @@ class TrainConfig:
     seq_len: int = 512
     eval_data: str | None = None  # held-out JSONL with the same fields as --data ('sample' brings its own)
     eval_examples: int = 64
+    eval_every: int | None = None  # also score the held-out set every N optimizer steps
     # batch and schedule
     batch_size: int | str = 8
     grad_accum: int | None = None
@@ -149,11 +150,13 @@ class TrainConfig:
     def validate(self) -> None:
         for name in ("src_len", "tgt_len", "seq_len", "keep_checkpoints", "log_every", "max_bad_steps"):
             _positive_int(name, getattr(self, name))
-        for name in ("grad_accum", "global_batch", "max_steps", "save_every"):
+        for name in ("grad_accum", "global_batch", "max_steps", "save_every", "eval_every"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
         if self.eval_examples < 0:
             raise ConfigError("--eval-examples must be 0 or more")
+        if self.eval_every is not None and self.eval_examples == 0:
+            raise ConfigError("--eval-every scores --eval-examples held-out examples: give --eval-examples above 0")
         if self.batch_size != "auto":
             if isinstance(self.batch_size, str) and self.batch_size.isdigit():
                 self.batch_size = int(self.batch_size)

@@ -55,6 +55,7 @@ class TrainResult:
     resumed_from: int | None = None
     truncated_examples: int = 0
     lrs: list[float] = field(default_factory=list)  # learning rate after each optimizer step of this call
+    evals: list[dict[str, float]] = field(default_factory=list)  # each held-out score of this call, with its step
 
     def __repr__(self) -> str:  # a notebook shows the summary, not every loss
         return str(self)
@@ -174,6 +175,9 @@ class Trainer:
         if cfg.eval_data and cfg.eval_examples:
             path, self._eval_fields = data_file(cfg, task, split="eval")
             self._eval_rows = read_jsonl(path, self._eval_fields, flag="--eval-data")
+        if cfg.eval_every and data_file(cfg, task, split="eval") is None:
+            raise ConfigError(f"--eval-every needs held-out data and --data {cfg.data} has none: "
+                              "add --eval-data FILE.jsonl")
 
     def _setup_model(self) -> None:
         cfg = self.cfg
@@ -264,7 +268,7 @@ class Trainer:
                          start_batch=self.state["batch"])
         self.bad = BadStepStreak(cfg.max_bad_steps)
         host_watch = HostMemoryWatch(cfg.host_mem_warn, cfg.host_mem_stop, say=self._say)
-        losses, times, lrs = [], [], []
+        losses, times, lrs, evals = [], [], [], []
         bar = self._progress_bar()
         peak_rss = memory.host_rss_bytes()
         engine.ds.train()
@@ -288,6 +292,10 @@ class Trainer:
                     peak_rss = max(peak_rss, memory.host_rss_bytes())
                     self._log_step(step_loss, dt, samples_per_step, peak_rss, bar)
                     self._save_or_stop(step_loss, stop, host_watch)
+                    if cfg.eval_every and self.state["step"] % cfg.eval_every == 0 \
+                            and self.state["step"] < self.total_steps:  # the last step's comes after the export
+                        engine.sync_weights()  # an overlapped mode's pending update lands first
+                        self._score(evals)
         finally:
             if bar is not None:
                 bar.close()
@@ -297,7 +305,7 @@ class Trainer:
         if cfg.save_every and self.out:
             self._save()  # the end is always resumable when checkpoints were asked for (no-op if just saved)
         final_dir = self._export()
-        quality = self._evaluate()
+        quality = self._score(evals)
         steady = times[1:] or times  # the first step includes lazy allocations and warm-up
         return TrainResult(
             steps=len(losses), losses=losses, step_times=times,
@@ -308,7 +316,7 @@ class Trainer:
             skipped_steps=self.bad.total_skipped, quality=quality, out_dir=str(self.out) if self.out else None,
             final_dir=str(final_dir) if final_dir else None,
             resumed_from=self.resumed_step,
-            truncated_examples=self.data.truncated, lrs=lrs,
+            truncated_examples=self.data.truncated, lrs=lrs, evals=evals,
         )
 
     def _save_or_stop(self, loss: float, stop: StopRequest, host_watch: HostMemoryWatch) -> None:
@@ -447,6 +455,13 @@ class Trainer:
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         return final
+
+    def _score(self, evals: list[dict[str, float]]) -> dict[str, float]:
+        """Evaluate now; keep the numbers with their step in `evals` (rank 0 only has any)."""
+        quality = self._evaluate()
+        if quality:
+            evals.append({"step": self.state["step"], **quality})
+        return quality
 
     @torch.no_grad()
     def _evaluate(self) -> dict[str, float]:

@@ -101,6 +101,27 @@ def test_eval_data_scores_the_users_held_out_file(tmp_path, text_jsonl):
     assert data_file(cpu_config(data="synthetic"), SEQ2SEQ, split="eval") is None
 
 
+def test_eval_every_scores_during_the_run_and_logs_each_score(tmp_path):
+    """Every 3 steps and at the end, into metrics.jsonl (what `fitone report` draws) and the result; with the
+    pipelined update the pending update lands before each score, so the scores are the plain run's."""
+    import json
+
+    from fitone.report import read_run, summarize
+
+    common = dict(max_steps=7, eval_every=3, eval_examples=8, lr=1e-3, lr_schedule="constant", warmup_steps=0)
+    plain = fitone.train(cpu_config(**common, out=str(tmp_path / "run")))
+    assert [e["step"] for e in plain.evals] == [3, 6, 7]
+    assert plain.evals[-1] == {"step": 7, **plain.quality}
+    assert plain.evals[0]["eval_loss"] > plain.evals[-1]["eval_loss"]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "eval_loss" in r] == [3, 6, 7]
+    assert len([r for r in records if "loss" in r]) == 7
+    assert summarize(read_run(tmp_path / "run")).eval["eval_loss"] == pytest.approx(plain.quality["eval_loss"])
+    pipelined = fitone.train(cpu_config(**common, pipelined_update=True))
+    for got, want in zip(pipelined.evals, plain.evals, strict=True):
+        assert got == pytest.approx(want, rel=1e-4)
+
+
 def test_resume_continues_the_uninterrupted_curve(tmp_path):
     """Stop after 10 steps, resume to 20: steps 11-20 match the uninterrupted run (CPU fp32: to 1e-5)."""
     common = dict(max_steps=20, warmup_steps=5, lr_schedule="constant", batch_size=8)

@@ -23,6 +23,7 @@ FLAGS: dict[str, tuple[Any, str]] = {
     "seq_len": (int, "causal LM: longest text in tokens; longer texts are truncated"),
     "eval_data": (str, "held-out JSONL (same fields as --data) scored at the end; 'sample' brings its own"),
     "eval_examples": (int, "held-out examples scored at the end, the first N of the eval file (0: none)"),
+    "eval_every": (int, "also score them every N optimizer steps (logged to metrics.jsonl, drawn by report)"),
     "batch_size": (str, "per-GPU micro-batch, or 'auto' to probe for the largest that fits"),
     "grad_accum": (int, "gradient-accumulation steps"),
     "global_batch": (int, "samples per optimizer step; accumulation is derived"),
