@@ -114,10 +114,12 @@ def test_an_overflowed_step_is_dropped_and_the_pending_update_still_lands():
     assert close_to(got, expected, atol=0)
 
 
-def test_train_with_the_delayed_update_learns_exports_and_resumes(tmp_path):
+def test_train_with_the_delayed_update_learns_exports_and_resumes(tmp_path, capsys):
     common = dict(max_steps=24, lr=1e-3, lr_schedule="constant", warmup_steps=0, batch_size=8,
                   delayed_update=True, delayed_update_after=4)
     straight = fitone.train(cpu_config(**common, out=str(tmp_path / "straight"), save_every=12))
+    said = capsys.readouterr()
+    assert "it trains worse" in said.out + said.err and "prefer --pipelined-update" in said.out + said.err
     assert all(math.isfinite(x) for x in straight.losses) and straight.skipped_steps == 0
     assert sum(straight.losses[-6:]) < 0.6 * sum(straight.losses[:6])
     # the export is the synced weights: it loads without DeepSpeed and gives the same eval loss twice
