@@ -2,14 +2,15 @@
 # Issue 8's training check on the GPU: do the overlapped updates train as well as the default?
 # t5-large from scratch on the bundled sample task (numbers to words), fp16 with dynamic loss scaling,
 # ZeRO-2 + CPU offload, 23 GiB cap, micro-batch 32, lr 3e-4 (30 warm-up steps, linear decay), 300 steps,
-# the same seed: fitone's default step, --pipelined-update, --delayed-update (after 20 plain steps).
-# RUNS picks which (default "default pipelined delayed"; the first is the reference). The runs share the GPU
-# and the host at once (speed is not measured here; each gets an equal share of the cores), then scripts/quality_table.py compares the curves. Run from the repo root on the GPU machine
-# (after the .whl prelude); writes each run's log and metrics.jsonl under $1.
+# the same seed: fitone's default step and --pipelined-update (RUNS="default pipelined delayed" adds
+# --delayed-update after 20 plain steps; the first is the reference). The runs share the GPU and the
+# host at once (speed is not measured here; each gets an equal share of the cores), then
+# scripts/quality_table.py compares the curves. Run from the repo root on the GPU machine (after the
+# .whl prelude); writes each run's log and metrics.jsonl under $1.
 # Each run is stopped after LIMIT seconds (default 520, under the device tool's 600 s a call) so that what it
 # logged still comes back; its metrics.jsonl is written as it goes, so a cut run still gives a partial curve.
 # On the H200 three runs at once took 1.57 (default), 1.15 (pipelined), 0.96 (delayed) s a step: the
-# default needs ~600 s for 300 steps, more than a call, so give two runs (RUNS="default pipelined").
+# default then needs ~600 s for 300 steps, more than a call; hence two runs by default.
 # Dry run of the mechanics on a CPU: MODEL=t5-tiny PRECISION=fp32 EXTRA="--device cpu" scripts/gpu_quality.sh /tmp/q 40
 set -uo pipefail
 out=${1:?usage: gpu_quality.sh OUT_DIR [STEPS]}
@@ -18,7 +19,7 @@ model=${MODEL:-t5-large}
 precision=${PRECISION:-fp16}
 extra=${EXTRA:---max-gpu-memory 23GiB}
 limit=${LIMIT:-520}
-runs=(${RUNS:-default pipelined delayed})  # the first is the reference; fewer runs get more cores each
+runs=(${RUNS:-default pipelined})  # the first is the reference; fewer runs get more cores each
 mkdir -p "$out"
 threads=$(( $(nproc) / ${#runs[@]} > 0 ? $(nproc) / ${#runs[@]} : 1 ))
 common="--model $model --from-scratch --data sample --src-len 8 --tgt-len 48 --batch-size 32 --lr 3e-4 --lr-schedule linear --warmup-steps 30 --max-steps $steps --precision $precision $extra --eval-examples 200 --log-every 1 --no-progress --seed 0"
