@@ -83,6 +83,10 @@ def probe_batch(
             f"(same model config, precision, lengths, GPU and cap; --no-cache measures again)")
         result = cached
     else:
+        if cfg.preflight:  # host RAM for the offloaded states, as training checks it, before any engine
+            from fitone.plan import preflight
+
+            preflight(cfg, micro_batch=1, world_size=1)
         session = ProbeSession(cfg, config, device, say=say, on_model=on_model)
         try:
             result = search_batch_size(session.try_size, cap_bytes=session.cap_bytes, log=say, **search)

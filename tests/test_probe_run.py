@@ -21,7 +21,7 @@ import torch
 import yaml
 
 import fitone
-from conftest import cpu_config
+from conftest import cpu_config, run_main
 from fitone import probe_run
 from fitone.cli import main
 from fitone.data import worst_case_batch
@@ -210,6 +210,26 @@ def test_size_one_out_of_memory_names_what_to_change():
     assert "\n" not in message
     for fix in ("batch size 1", "in forward", "--src-len", "--tgt-len", "--max-gpu-memory", "fitone plan"):
         assert fix in message
+
+
+def test_the_probe_checks_host_ram_before_building_anything(monkeypatch, cache_root):
+    # fake only the reading of available RAM (this machine has what it has); the check is the pre-flight's
+    from fitone import memory
+
+    built = []
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 1 << 20)
+    with pytest.raises(MemoryBudgetError, match="host RAM too small"):
+        probe_batch(probe_config(), say=quiet, on_model=built.append)
+    assert built == [] and not cache_root.exists()  # no model, no engine, nothing saved
+    # the CLI: the same one line; --no-preflight (the user knows better) probes; --no-expandable-segments
+    # is the training flag, taken here too so that the probe matches the run it is for
+    argv = ["probe-batch", "--model", "t5-tiny", "--from-scratch", "--device", "cpu", "--precision", "fp32",
+            "--src-len", "8", "--tgt-len", "8", "--max-batch", "2", "--verify-steps", "1", "--no-expandable-segments"]
+    rc, _out, err = run_main(argv)
+    assert rc == 2 and err.startswith("fitone: error: host RAM too small") and len(err.strip().splitlines()) == 1
+    rc, out, err = run_main(argv + ["--no-preflight"])
+    assert rc == 0, err
+    assert "chosen: 1 (5% margin, verified)" in out and len(list(cache_root.glob("*.json"))) == 1
 
 
 # -- the CLI ---------------------------------------------------------------------------------------
