@@ -60,6 +60,7 @@ class TrainConfig:
     source_field: str = "source"
     target_field: str = "target"
     text_field: str = "text"
+    prompt_field: str | None = None  # causal LM: a field fed before the text, not trained on
     src_len: int = 128
     tgt_len: int = 128
     seq_len: int = 512
@@ -155,6 +156,9 @@ class TrainConfig:
                 _positive_int(name, getattr(self, name))
         if self.eval_examples < 0:
             raise ConfigError("--eval-examples must be 0 or more")
+        if self.prompt_field is not None and self.prompt_field == self.text_field:
+            raise ConfigError(f"--prompt-field and --text-field are both {self.text_field!r}: the prompt is fed "
+                              "before the text, so name two different fields")
         if self.eval_every is not None and self.eval_examples == 0:
             raise ConfigError("--eval-every scores --eval-examples held-out examples: give --eval-examples above 0")
         if self.batch_size != "auto":

@@ -65,7 +65,8 @@ class SyntheticExamples(Sequence[Example]):
 
 
 def read_jsonl(path: Path, fields: Sequence[str], *, flag: str = "--data") -> list[dict[str, str]]:
-    """Rows of a JSONL file, each checked to hold the given text fields. Errors name the file and line."""
+    """Rows of a JSONL file, each checked to hold the given text fields (as `data_file` names them: seq2seq
+    source and target, causal text, or causal prompt and text). Errors name the file and line."""
     if not path.exists():
         choices = ", 'sample' or 'synthetic'" if flag == "--data" else ""
         raise DataError(f"{flag} file {path} does not exist: give a JSONL path{choices}")
@@ -99,16 +100,28 @@ def read_jsonl(path: Path, fields: Sequence[str], *, flag: str = "--data") -> li
     return rows
 
 
+class CausalFields(tuple):
+    """(prompt field, text field) of a causal LM's rows: the loss is taken on the text only."""
+
+
 def _field_flag(name: str, fields: Sequence[str]) -> str:
+    if isinstance(fields, CausalFields):
+        return "prompt-field" if name == fields[0] else "text-field"
     if len(fields) == 1:
         return "text-field"
     return "source-field" if name == fields[0] else "target-field"
 
 
+def _user_fields(cfg: TrainConfig, task: str) -> tuple[str, ...]:
+    if task == SEQ2SEQ:
+        return (cfg.source_field, cfg.target_field)
+    return CausalFields((cfg.prompt_field, cfg.text_field)) if cfg.prompt_field else (cfg.text_field,)
+
+
 def data_file(cfg: TrainConfig, task: str, *, split: str = "train") -> tuple[Path, tuple[str, ...]] | None:
     """The JSONL file and text fields a run reads for `split`; None when there is none (synthetic data,
     or no --eval-data beside a user's file: fitone does not hold out silently)."""
-    user_fields = (cfg.source_field, cfg.target_field) if task == SEQ2SEQ else (cfg.text_field,)
+    user_fields = _user_fields(cfg, task)
     if split == "eval" and cfg.eval_data:
         return Path(cfg.eval_data), user_fields
     if cfg.data == "synthetic":
@@ -153,14 +166,27 @@ def tokenize(rows: list[dict[str, str]], fields: Sequence[str], task: str, token
                 truncated += 1
             examples.append(Example(_clip(s, cfg.src_len, eos), _clip(t, cfg.tgt_len, eos)))
     else:
-        texts = tokenizer([r[fields[0]] for r in rows], add_special_tokens=False)["input_ids"]
-        for ids in texts:
-            ids = list(ids) + ([eos] if eos is not None else [])
-            if len(ids) > cfg.seq_len:
-                truncated += 1
-            ids = ids[: cfg.seq_len]
-            examples.append(Example(ids, list(ids)))
+        texts = tokenizer([r[fields[-1]] for r in rows], add_special_tokens=False)["input_ids"]
+        prompts = tokenizer([r[fields[0]] for r in rows], add_special_tokens=False)["input_ids"] \
+            if len(fields) == 2 else [[] for _ in rows]
+        for prompt, text in zip(prompts, texts):
+            example, cut = _causal_example(list(prompt), list(text) + ([eos] if eos is not None else []), cfg.seq_len)
+            truncated += cut
+            examples.append(example)
     return Dataset(task, examples, truncated=truncated, source=source, raw=rows)
+
+
+def _causal_example(prompt: list[int], text: list[int], limit: int) -> tuple[Example, bool]:
+    """prompt + text within `limit` tokens, the loss on the text only (prompt labels are IGNORE_INDEX).
+
+    Too long: the text keeps its first tokens (at most limit - 1 when there is a prompt) and the prompt
+    its last ones, next to the text, so every example keeps something to learn from. Returns (example,
+    whether it was cut)."""
+    cut = len(prompt) + len(text) > limit
+    if cut:
+        text = text[: limit - 1] if prompt else text[:limit]
+        prompt = prompt[len(prompt) - (limit - len(text)):] if limit > len(text) else []
+    return Example(prompt + text, [IGNORE_INDEX] * len(prompt) + text), cut
 
 
 def _clip(ids: list[int], limit: int, eos: int | None) -> list[int]:
@@ -178,8 +204,10 @@ def collate(examples: Sequence[Example], task: str, pad_id: int) -> dict[str, to
     for i, e in enumerate(examples):
         ids[i, : len(e.input_ids)] = torch.tensor(e.input_ids)
         mask[i, : len(e.input_ids)] = 1
-    if task == CAUSAL:
-        labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
+    if task == CAUSAL:  # labels line up with the inputs (the model shifts them); a prompt's are ignored
+        labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
+        for i, e in enumerate(examples):
+            labels[i, : len(e.labels)] = torch.tensor(e.labels)
     else:
         lw = max(len(e.labels) for e in examples)
         labels = torch.full((len(examples), lw), IGNORE_INDEX, dtype=torch.long)

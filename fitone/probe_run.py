@@ -458,7 +458,7 @@ def _data_key(cfg: TrainConfig) -> Any:
     stat = path.stat() if path.exists() else None
     return {"path": str(path.resolve()), "mtime_ns": stat.st_mtime_ns if stat else None,
             "size": stat.st_size if stat else None,
-            "fields": [cfg.source_field, cfg.target_field, cfg.text_field]}
+            "fields": [cfg.source_field, cfg.target_field, cfg.text_field, cfg.prompt_field]}
 
 
 def _digest(data: str | bytes) -> str:

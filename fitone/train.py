@@ -168,6 +168,9 @@ class Trainer:
             read_user_config(cfg.ds_config)
         if cfg.batch_size != "auto":
             cfg.accumulation(int(cfg.batch_size), int(os.environ.get("WORLD_SIZE", "1")))
+        if cfg.prompt_field and task == SEQ2SEQ:
+            raise ConfigError(f"--prompt-field is for causal LMs; {cfg.model} is seq2seq: its input is "
+                              "--source-field and its output --target-field")
         found = data_file(cfg, task)
         self._rows = read_jsonl(*found) if found else None  # read once: checked now, tokenised after the model
         self._eval_fields = ("source", "target")  # the held-out rows' fields: exact match compares the second

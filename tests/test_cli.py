@@ -100,6 +100,8 @@ BAD_INPUT = [
      r"--eval-every needs held-out data .*: add --eval-data FILE\.jsonl"),
     ("eval-every with nothing to score", {"eval_every": "5"}, r"--eval-every scores .*--eval-examples above 0"),
     ("eval-every 0", {"eval_every": "0", "eval_examples": "8"}, r"--eval-every must be a positive whole number"),
+    ("prompt field on a seq2seq model", {"prompt_field": "question"},
+     r"--prompt-field is for causal LMs; t5-tiny is seq2seq: its input is --source-field"),
     ("sample task with a causal LM", {"model": "gpt2-tiny"}, r"sample task is seq2seq"),
     ("unknown shipped model", {"model": "t5-huge"}, r"no shipped config named 't5-huge'.*t5-tiny"),
     ("unknown model path", {"model": "{d}/no-such-model", "from_scratch": None},

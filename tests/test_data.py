@@ -69,6 +69,30 @@ def test_collate_pads_dynamically_and_masks_labels():
     assert batch["labels"].tolist() == [[7, 1, IGNORE_INDEX, IGNORE_INDEX], [7, 8, 9, 1]]
 
 
+def test_a_prompt_field_is_fed_but_not_trained_on(tmp_path):
+    """--prompt-field (causal): input = prompt + text + EOS, labels IGNORE over the prompt and padding."""
+    f = tmp_path / "sft.jsonl"
+    rows = [{"instruction": "ab", "answer": "cd"}, {"instruction": "p" * 20, "answer": "t" * 20}]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = _cfg(data=str(f), prompt_field="instruction", text_field="answer", seq_len=16)
+    data = load_dataset(cfg, CAUSAL, TOK, 384)
+    ab, cd, eos = TOK("ab", add_special_tokens=False).input_ids, TOK("cd", add_special_tokens=False).input_ids, 1
+    short, long_ = data.examples
+    assert short.input_ids == ab + cd + [eos] and short.labels == [IGNORE_INDEX] * 2 + cd + [eos]
+    # too long: the text keeps its start (15 of its 21 tokens), the prompt its last token, next to the text
+    assert data.truncated == 1 and len(long_.input_ids) == 16
+    assert long_.labels == [IGNORE_INDEX] + long_.input_ids[1:] and long_.input_ids[0] == ord("p") + 3
+    batch = collate([short, long_], CAUSAL, pad_id=0)
+    assert batch["labels"][0].tolist() == [IGNORE_INDEX] * 2 + cd + [eos] + [IGNORE_INDEX] * 11
+    assert batch["labels"][1].tolist() == long_.labels
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text(json.dumps({"answer": "x"}) + "\n")
+    with pytest.raises(DataError, match=r":1: missing field 'instruction'.*--prompt-field"):
+        load_dataset(_cfg(data=str(plain), prompt_field="instruction", text_field="answer"), CAUSAL, TOK, 384)
+    with pytest.raises(ConfigError, match="name two different fields"):
+        _cfg(prompt_field="text")
+
+
 def test_batches_resume_where_they_left_off_and_ranks_split():
     data = load_dataset(_cfg(), SEQ2SEQ, TOK, 384)
     straight = batches(data, 4, seed=1, pad_id=0)

@@ -17,7 +17,9 @@ FLAGS: dict[str, tuple[Any, str]] = {
     "data": (str, "a JSONL file, 'sample' (shipped numbers-to-words task) or 'synthetic' (random tokens)"),
     "source_field": (str, "JSONL field holding the seq2seq input"),
     "target_field": (str, "JSONL field holding the seq2seq output"),
-    "text_field": (str, "JSONL field holding the causal-LM text"),
+    "text_field": (str, "JSONL field holding the causal-LM text (the part the loss is taken on)"),
+    "prompt_field": (str, "causal LM: a JSONL field fed before the text but not trained on (instructions, "
+                          "prompts)"),
     "src_len": (int, "seq2seq: longest input in tokens; longer inputs are truncated"),
     "tgt_len": (int, "seq2seq: longest target in tokens; longer targets are truncated"),
     "seq_len": (int, "causal LM: longest text in tokens; longer texts are truncated"),
