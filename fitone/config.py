@@ -159,6 +159,9 @@ class TrainConfig:
         if self.prompt_field is not None and self.prompt_field == self.text_field:
             raise ConfigError(f"--prompt-field and --text-field are both {self.text_field!r}: the prompt is fed "
                               "before the text, so name two different fields")
+        if self.eval_data and self.eval_examples == 0:
+            raise ConfigError("--eval-data is scored on --eval-examples held-out examples: give --eval-examples "
+                              "above 0, or drop --eval-data")
         if self.eval_every is not None and self.eval_examples == 0:
             raise ConfigError("--eval-every scores --eval-examples held-out examples: give --eval-examples above 0")
         if self.batch_size != "auto":

@@ -71,13 +71,13 @@ def read_jsonl(path: Path, fields: Sequence[str], *, flag: str = "--data") -> li
         choices = ", 'sample' or 'synthetic'" if flag == "--data" else ""
         raise DataError(f"{flag} file {path} does not exist: give a JSONL path{choices}")
     if path.is_dir():
-        raise DataError(f"data path {path} is a directory: give a JSONL file")
+        raise DataError(f"{flag} path {path} is a directory: give a JSONL file")
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as exc:
-        raise DataError(f"cannot read data file {path}: {exc.strerror}; check its permissions") from exc
+        raise DataError(f"cannot read {flag} file {path}: {exc.strerror}; check its permissions") from exc
     except UnicodeDecodeError as exc:
-        raise DataError(f"data file {path} is not UTF-8 text; convert it to UTF-8 JSONL") from exc
+        raise DataError(f"{flag} file {path} is not UTF-8 text; convert it to UTF-8 JSONL") from exc
     rows = []
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
@@ -96,7 +96,7 @@ def read_jsonl(path: Path, fields: Sequence[str], *, flag: str = "--data") -> li
                 raise DataError(f"{path}:{lineno}: field {name!r} must be text, got {type(row[name]).__name__}")
         rows.append({name: row[name] for name in fields})
     if not rows:
-        raise DataError(f"data file {path} holds no examples; add JSON lines with fields {', '.join(fields)}")
+        raise DataError(f"{flag} file {path} holds no examples; add JSON lines with fields {', '.join(fields)}")
     return rows
 
 
@@ -114,6 +114,9 @@ def _field_flag(name: str, fields: Sequence[str]) -> str:
 
 def _user_fields(cfg: TrainConfig, task: str) -> tuple[str, ...]:
     if task == SEQ2SEQ:
+        if cfg.prompt_field:
+            raise ConfigError(f"--prompt-field is for causal LMs; {cfg.model} is seq2seq: its input is "
+                              "--source-field and its output --target-field")
         return (cfg.source_field, cfg.target_field)
     return CausalFields((cfg.prompt_field, cfg.text_field)) if cfg.prompt_field else (cfg.text_field,)
 
@@ -184,7 +187,7 @@ def _causal_example(prompt: list[int], text: list[int], limit: int) -> tuple[Exa
     whether it was cut)."""
     cut = len(prompt) + len(text) > limit
     if cut:
-        text = text[: limit - 1] if prompt else text[:limit]
+        text = text[: max(1, limit - 1)] if prompt else text[:limit]
         prompt = prompt[len(prompt) - (limit - len(text)):] if limit > len(text) else []
     return Example(prompt + text, [IGNORE_INDEX] * len(prompt) + text), cut
 

@@ -168,10 +168,7 @@ class Trainer:
             read_user_config(cfg.ds_config)
         if cfg.batch_size != "auto":
             cfg.accumulation(int(cfg.batch_size), int(os.environ.get("WORLD_SIZE", "1")))
-        if cfg.prompt_field and task == SEQ2SEQ:
-            raise ConfigError(f"--prompt-field is for causal LMs; {cfg.model} is seq2seq: its input is "
-                              "--source-field and its output --target-field")
-        found = data_file(cfg, task)
+        found = data_file(cfg, task)  # also refuses --prompt-field on a seq2seq model
         self._rows = read_jsonl(*found) if found else None  # read once: checked now, tokenised after the model
         self._eval_fields = ("source", "target")  # the held-out rows' fields: exact match compares the second
         self._eval_rows = None
@@ -461,8 +458,18 @@ class Trainer:
         return final
 
     def _score(self, evals: list[dict[str, float]]) -> dict[str, float]:
-        """Evaluate now; keep the numbers with their step in `evals` (rank 0 only has any)."""
-        quality = self._evaluate()
+        """Evaluate now; keep the numbers with their step in `evals` (rank 0 only has any). A held-out score
+        that runs out of GPU memory is skipped with a warning: it must not end (or lose) the training."""
+        try:
+            quality = self._evaluate()
+        except Exception as exc:
+            if not memory.is_oom_error(exc):
+                raise
+            self.engine.module.train()
+            memory.free_memory()
+            self._say(f"warning: held-out scoring at step {self.state['step']} ran out of GPU memory and was "
+                      "skipped; training goes on (fewer --eval-examples or a smaller --batch-size would fit)")
+            return {}
         if quality:
             evals.append({"step": self.state["step"], **quality})
         return quality
@@ -479,12 +486,12 @@ class Trainer:
         n = min(self.cfg.eval_examples, len(self.eval_data))
         examples = self.eval_data.examples[:n]
         tok = self.loaded.tokenizer
-        hits, losses, right, counted = 0, [], 0, 0
-        for i in range(0, n, 16):
-            chunk = examples[i:i + 16]
+        hits, loss_sum, right, counted = 0, 0.0, 0, 0
+        size = max(1, min(16, self.micro_batch))  # no larger than the batches training has shown to fit
+        for i in range(0, n, size):
+            chunk = examples[i:i + size]
             batch = {k: v.to(self.engine.device) for k, v in collate(chunk, self.eval_data.task, self.pad_id).items()}
             out = model(**batch)
-            losses.append(float(out.loss.float()))
             # next-token accuracy with the true prefix given (teacher forcing): moves long before exact match
             labels = batch["labels"][:, 1:] if self.eval_data.task == CAUSAL else batch["labels"]
             guess = out.logits.argmax(-1)[:, : labels.shape[1]] if self.eval_data.task == SEQ2SEQ else \
@@ -492,14 +499,16 @@ class Trainer:
             mask = labels != IGNORE_INDEX
             right += int((guess == labels)[mask].sum())
             counted += int(mask.sum())
+            loss_sum += float(out.loss.float()) * int(mask.sum())  # the model's loss is the chunk's token mean
             if self.eval_data.task == SEQ2SEQ:
                 out = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                                      max_new_tokens=self.cfg.tgt_len, do_sample=False, num_beams=1)
                 texts = tok.batch_decode(out, skip_special_tokens=True)
                 hits += sum(t.strip() == r[self._eval_fields[1]].strip()
-                            for t, r in zip(texts, self.eval_data.raw[i:i + 16]))
+                            for t, r in zip(texts, self.eval_data.raw[i:i + size]))
         model.train()
-        result = {"eval_loss": sum(losses) / len(losses), "token_accuracy": right / max(counted, 1)}
+        # per held-out token, so the numbers do not depend on how the examples were chunked
+        result = {"eval_loss": loss_sum / max(counted, 1), "token_accuracy": right / max(counted, 1)}
         if self.eval_data.task == SEQ2SEQ:
             result["exact_match"] = hits / n
         self._say("quality on " + f"{n} held-out examples: " + ", ".join(f"{k} {v:.3f}" for k, v in result.items()))

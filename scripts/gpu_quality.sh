@@ -7,8 +7,10 @@
 # host at once (speed is not measured here; each gets an equal share of the cores), then
 # scripts/quality_table.py compares the curves. Run from the repo root on the GPU machine (after the
 # .whl prelude); writes each run's log and metrics.jsonl under $1.
-# Each run is stopped after LIMIT seconds (default 520, under the device tool's 600 s a call) so that what it
+# Each run is killed after LIMIT seconds (default 520, under the device tool's 600 s a call) so that what it
 # logged still comes back; its metrics.jsonl is written as it goes, so a cut run still gives a partial curve.
+# SIGKILL, not SIGTERM: on SIGTERM fitone writes a resumable checkpoint first (~20 s for t5-large), which
+# this throwaway run does not need and the call's time cannot spare.
 # On the H200 three runs at once took 1.57 (default), 1.15 (pipelined), 0.96 (delayed) s a step: the
 # default then needs ~600 s for 300 steps, more than a call; hence two runs by default.
 # Dry run of the mechanics on a CPU: MODEL=t5-tiny PRECISION=fp32 EXTRA="--device cpu" scripts/gpu_quality.sh /tmp/q 40
@@ -27,7 +29,7 @@ declare -A flags=([default]="" [pipelined]="--pipelined-update" [delayed]="--del
 for run in "${runs[@]}"; do
   cmd="python3 -m fitone train $common ${flags[$run]} --out /tmp/quality-$run --overwrite"
   echo "\$ OMP_NUM_THREADS=$threads $cmd" > "$out/$run.log"
-  ( SECONDS=0; OMP_NUM_THREADS=$threads timeout "$limit" $cmd >> "$out/$run.log" 2>&1; echo "exit $? after ${SECONDS}s" >> "$out/$run.log"
+  ( SECONDS=0; OMP_NUM_THREADS=$threads timeout -s KILL "$limit" $cmd >> "$out/$run.log" 2>&1; echo "exit $? after ${SECONDS}s" >> "$out/$run.log"
     cp /tmp/quality-$run/metrics.jsonl "$out/$run-metrics.jsonl" 2>/dev/null ) &
 done
 wait

@@ -40,7 +40,10 @@ def load(path: str) -> tuple[dict[int, float], int, dict[str, float]]:
     records = read_run(path)
     losses = {int(r["step"]): float(r["loss"]) for r in records if "loss" in r}
     skipped = max((int(r.get("skipped_steps") or 0) for r in records), default=0)
-    quality = next((r for r in reversed(records) if "eval_loss" in r), {})
+    # the final held-out score only: a run cut short (or scored mid-run with --eval-every) has none at
+    # its last step, and an earlier score is not comparable with another run's final one
+    last = max(losses, default=0)
+    quality = next((r for r in reversed(records) if "eval_loss" in r and int(r["step"]) >= last), {})
     return losses, skipped, {k: v for k, v in quality.items() if k != "step"}
 
 

@@ -96,6 +96,8 @@ BAD_INPUT = [
     ("missing eval file", {"eval_data": "{d}/held-out.jsonl", "eval_examples": "8"},
      r"--eval-data file .*held-out\.jsonl does not exist: give a JSONL path$"),
     ("malformed eval line", {"eval_data": "{malformed}", "eval_examples": "8"}, r"malformed\.jsonl:3: not valid JSON"),
+    ("empty eval file", {"eval_data": "{empty}", "eval_examples": "8"}, r"^fitone: error: --eval-data file .*empty"),
+    ("eval file with nothing to score", {"eval_data": "{text}"}, r"--eval-data is scored on --eval-examples .*above 0"),
     ("eval-every without held-out data", {"data": "{long}", "eval_every": "5", "eval_examples": "8"},
      r"--eval-every needs held-out data .*: add --eval-data FILE\.jsonl"),
     ("eval-every with nothing to score", {"eval_every": "5"}, r"--eval-every scores .*--eval-examples above 0"),
@@ -150,7 +152,7 @@ def test_unreadable_data_file(files, tmp_path):
     path.chmod(0)
     rc, _, err = run_main(train_argv(data=path, out=tmp_path / "run"))
     assert rc == 2
-    assert_one_line_error(err, r"cannot read data file .*locked\.jsonl.*permissions")
+    assert_one_line_error(err, r"cannot read --data file .*locked\.jsonl.*permissions")
     assert not (tmp_path / "run").exists()
 
 

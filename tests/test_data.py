@@ -91,6 +91,11 @@ def test_a_prompt_field_is_fed_but_not_trained_on(tmp_path):
         load_dataset(_cfg(data=str(plain), prompt_field="instruction", text_field="answer"), CAUSAL, TOK, 384)
     with pytest.raises(ConfigError, match="name two different fields"):
         _cfg(prompt_field="text")
+    from fitone.data import data_file
+
+    for data in ("sample", "synthetic", str(f)):  # train and probe-batch alike, whatever the data
+        with pytest.raises(ConfigError, match="--prompt-field is for causal LMs; t5-tiny is seq2seq"):
+            data_file(_cfg(data=data, prompt_field="instruction"), SEQ2SEQ)
 
 
 def test_batches_resume_where_they_left_off_and_ranks_split():

@@ -14,14 +14,17 @@ spec.loader.exec_module(quality_table)
 
 
 def write_run(path: Path, scale: float = 1.0, nan_at: int | None = None, skipped: int = 2, steps: int = 300,
-              eval_scale: float | None = None) -> Path:
-    """A decaying loss curve times `scale`; a held-out eval_loss at the end unless the run was cut (steps < 300)."""
+              eval_scale: float | None = None, eval_every: int | None = None) -> Path:
+    """A decaying loss curve times `scale`; a held-out eval_loss at the end unless the run was cut (steps < 300),
+    and every `eval_every` steps (the scores fall as the loss does)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = []
     for step in range(1, steps + 1):
         loss = scale * (0.3 + 10 * math.exp(-step / 40))
         lines.append({"step": step, "loss": float("nan") if step == nan_at else loss,
                       "skipped_steps": min(step, skipped)})
+        if eval_every and step % eval_every == 0 and step < 300:
+            lines.append({"step": step, "eval_loss": loss, "token_accuracy": 0.5})
     if steps == 300:
         lines.append({"step": 300, "eval_loss": 0.3 * (eval_scale or scale), "token_accuracy": 0.9, "exact_match": 0.5})
     path.write_text("\n".join(json.dumps(r) for r in lines) + "\n")
@@ -58,6 +61,11 @@ def test_a_run_cut_short_is_compared_on_the_shared_steps_and_gets_no_final_verdi
     assert "steps 232-281" in out
     assert "| pipelined | 300 | 0 | 2 | " in out and "| +0.0% | +0.0% (steps" in out
     assert out.count("| curve only |") == 2  # no reference eval_loss: the curve passes, the verdict waits
+    # also when the runs were scored along the way: the cut run's last mid-run score is not its final one
+    ref = write_run(tmp_path / "a" / "default-metrics.jsonl", steps=281, eval_every=100)
+    same = write_run(tmp_path / "a" / "pipelined-metrics.jsonl", eval_every=100)
+    assert quality_table.main([str(ref), str(same), "--png", str(tmp_path / "cut2.png")]) == 1
+    assert capsys.readouterr().out.count("| curve only |") == 2
 
 
 def test_the_gap_is_signed_and_the_held_out_loss_is_held_to_the_tolerance(tmp_path, capsys):

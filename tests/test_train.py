@@ -82,6 +82,13 @@ def test_causal_lm_with_a_prompt_field_learns_the_answers(tiny_gpt_dir, tmp_path
                                      text_field="answer", seq_len=64, batch_size=8, max_steps=40, lr=3e-3))
     assert _falls(result.losses, 0.5), result.losses
     assert result.quality["token_accuracy"] > 0.5  # over the answers' tokens only
+    # the same rows with the prompt trained on too: the random prompt words now count in the loss
+    merged = tmp_path / "merged.jsonl"
+    merged.write_text("".join(json.dumps({"text": r["instruction"] + r["answer"]}) + "\n"
+                              for r in map(json.loads, train.read_text().splitlines())))
+    whole = fitone.train(cpu_config(model=str(tiny_gpt_dir), from_scratch=False, data=str(merged), seq_len=64,
+                                    batch_size=8, max_steps=40, lr=3e-3))
+    assert sum(result.losses[-5:]) < 0.5 * sum(whole.losses[-5:])
 
 
 def test_pretrained_dir_trains_and_export_loads_and_generates(tiny_t5_dir, tmp_path):
@@ -115,14 +122,21 @@ def test_eval_data_scores_the_users_held_out_file(tmp_path, text_jsonl):
     from fitone.data import SAMPLE_EVAL, data_file
     from fitone.models import CAUSAL, SEQ2SEQ
 
-    renamed = tmp_path / "held-out.jsonl"
+    shipped_rows = [json.loads(line) for line in SAMPLE_EVAL.read_text().splitlines()]
+    renamed, wrong = tmp_path / "held-out.jsonl", tmp_path / "wrong-answers.jsonl"
     renamed.write_text("".join(json.dumps({"question": r["source"], "answer": r["target"]}) + "\n"
-                               for r in map(json.loads, SAMPLE_EVAL.read_text().splitlines())))
-    common = dict(max_steps=6, eval_examples=16)
+                               for r in shipped_rows))
+    wrong.write_text("".join(json.dumps({"question": r["source"], "answer": r["target"][::-1]}) + "\n"
+                             for r in shipped_rows))
+    common = dict(max_steps=6, eval_examples=16, lr=1e-2)
     shipped = fitone.train(cpu_config(**common))
     users = fitone.train(cpu_config(**common, eval_data=str(renamed), source_field="question", target_field="answer"))
     assert set(users.quality) == {"eval_loss", "token_accuracy", "exact_match"}
     assert users.quality == pytest.approx(shipped.quality, rel=1e-6)
+    # the file really is what gets scored: reversed answers cost the trained model more
+    reversed_ = fitone.train(cpu_config(**common, eval_data=str(wrong), source_field="question",
+                                        target_field="answer"))
+    assert reversed_.quality["eval_loss"] > 1.2 * shipped.quality["eval_loss"]
     assert data_file(cpu_config(data=str(text_jsonl)), CAUSAL, split="eval") is None
     assert data_file(cpu_config(data="synthetic"), SEQ2SEQ, split="eval") is None
 
@@ -146,6 +160,36 @@ def test_eval_every_scores_during_the_run_and_logs_each_score(tmp_path):
     pipelined = fitone.train(cpu_config(**common, pipelined_update=True))
     for got, want in zip(pipelined.evals, plain.evals, strict=True):
         assert got == pytest.approx(want, rel=1e-4)
+    # the delayed update holds step N's update until step N+1's backward: a score at step 3 must first
+    # apply it, and so equal the final score of the same run stopped at step 3
+    delayed = dict(common, delayed_update=True, delayed_update_after=1)
+    along = fitone.train(cpu_config(**delayed))
+    stopped = fitone.train(cpu_config(**{**delayed, "max_steps": 3, "eval_every": None}))
+    assert along.evals[0] == pytest.approx({"step": 3, **stopped.quality}, rel=1e-6)
+    assert along.evals[0]["eval_loss"] != pytest.approx(along.evals[1]["eval_loss"], rel=1e-3)
+
+
+def test_a_held_out_score_that_runs_out_of_gpu_memory_is_skipped_and_training_goes_on(monkeypatch, capsys):
+    """The CPU cannot run out of GPU memory: a hook raises torch.OutOfMemoryError in the model's forward
+    while it is in eval mode, for the mid-run score at step 2 only."""
+    from fitone.train import Trainer
+
+    setup = Trainer._setup_model
+
+    def with_oom_in_eval(self):
+        setup(self)
+        model = self.loaded.model
+
+        def hook(module, _inputs):
+            if not module.training and self.state["step"] == 2:
+                raise torch.OutOfMemoryError("CUDA out of memory (faked)")
+        model.register_forward_pre_hook(hook)
+
+    monkeypatch.setattr(Trainer, "_setup_model", with_oom_in_eval)
+    result = fitone.train(cpu_config(max_steps=6, eval_every=2, eval_examples=8))
+    assert [e["step"] for e in result.evals] == [4, 6] and result.steps == 6
+    said = capsys.readouterr()
+    assert "held-out scoring at step 2 ran out of GPU memory and was skipped" in said.out + said.err
 
 
 def test_resume_continues_the_uninterrupted_curve(tmp_path):
