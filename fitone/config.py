@@ -18,7 +18,7 @@ from fitone.errors import ConfigError
 PRECISIONS = ("fp16", "bf16", "fp32")
 OFFLOADS = ("cpu", "none")
 DEVICES = ("auto", "cuda", "cpu")
-LR_SCHEDULES = ("constant", "linear")
+LR_SCHEDULES = ("constant", "linear", "cosine")
 
 _UNITS = {
     "": 1, "b": 1,

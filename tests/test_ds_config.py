@@ -52,6 +52,33 @@ def test_schedules():
                                                   "warmup_num_steps": 10, "warmup_type": "linear"}}
     lin = build_ds_config(TrainConfig(lr_schedule="linear", warmup_steps=10), micro_batch=1, total_steps=500)
     assert lin["scheduler"]["type"] == "WarmupDecayLR" and lin["scheduler"]["params"]["total_num_steps"] == 500
+    cos = build_ds_config(TrainConfig(lr_schedule="cosine", warmup_steps=10), micro_batch=1, total_steps=500)
+    assert cos["scheduler"] == {"type": "WarmupCosineLR", "params": {
+        "total_num_steps": 500, "warmup_min_ratio": 0.0, "warmup_num_steps": 10, "cos_min_ratio": 0.0,
+        "warmup_type": "linear"}}
+
+
+def test_the_cosine_schedule_warms_up_then_follows_half_a_cosine_to_zero():
+    """DeepSpeed's WarmupCosineLR with the generated parameters, stepped as the engine steps it."""
+    import math
+
+    import torch
+    from deepspeed.runtime.lr_schedules import WarmupCosineLR
+
+    params = build_ds_config(TrainConfig(lr_schedule="cosine", warmup_steps=4, lr=1e-3), micro_batch=1,
+                             total_steps=24)["scheduler"]["params"]
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    sched = WarmupCosineLR(opt, **params)
+    lrs = []
+    for _ in range(24):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    # DeepSpeed's schedulers (the linear one too) give lr 0 for the first two steps, then warm up linearly
+    assert lrs[:5] == pytest.approx([0.0, 0.0, 2.5e-4, 5e-4, 7.5e-4])
+    expected = [1e-3 * (1 + math.cos(math.pi * (k + 1) / 20)) / 2 for k in range(19)]
+    assert lrs[5:] == pytest.approx(expected, abs=1e-12)  # half a cosine over the 20 steps after the warm-up
+    assert lrs[-1] < 1e-5
 
 
 def test_user_file_merges_deeply(tmp_path):

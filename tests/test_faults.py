@@ -136,7 +136,7 @@ def t5_with_dropout(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.mark.parametrize("case", ["warmup+linear decay, dropout", "grad accumulation 2"])
+@pytest.mark.parametrize("case", ["warmup+linear decay, dropout", "grad accumulation 2, cosine decay"])
 def test_resume_after_a_stop_matches_the_uninterrupted_run_step_for_step(case, t5_with_dropout, tmp_path,
                                                                          monkeypatch):
     """Stopped by SIGTERM at step 4 of 8 and resumed with the same --max-steps: each later step has the
@@ -146,7 +146,7 @@ def test_resume_after_a_stop_matches_the_uninterrupted_run_step_for_step(case, t
     if case.startswith("warmup"):
         common.update(model=str(t5_with_dropout), from_scratch=False)
     else:
-        common.update(batch_size=2, grad_accum=2)
+        common.update(batch_size=2, grad_accum=2, lr_schedule="cosine")
     straight = fitone.train(cpu_config(**common))
     assert straight.lrs[0] < straight.lrs[2] and straight.lrs[7] < straight.lrs[3]  # warm-up, then decay
 

@@ -192,6 +192,15 @@ def test_a_held_out_score_that_runs_out_of_gpu_memory_is_skipped_and_training_go
     assert "held-out scoring at step 2 ran out of GPU memory and was skipped" in said.out + said.err
 
 
+@pytest.mark.parametrize("schedule", ["linear", "cosine"])
+def test_a_decaying_schedule_without_warm_up_runs(schedule):
+    """DeepSpeed 0.19's schedulers refuse warmup_num_steps 0 (fitone's default warm-up): this crashed once."""
+    result = fitone.train(cpu_config(max_steps=6, lr_schedule=schedule, warmup_steps=0, lr=1e-3))
+    peak = result.lrs.index(max(result.lrs))
+    assert peak <= 2 and result.lrs[peak:] == sorted(result.lrs[peak:], reverse=True)
+    assert result.lrs[-1] < 0.5 * max(result.lrs)
+
+
 def test_resume_continues_the_uninterrupted_curve(tmp_path):
     """Stop after 10 steps, resume to 20: steps 11-20 match the uninterrupted run (CPU fp32: to 1e-5)."""
     common = dict(max_steps=20, warmup_steps=5, lr_schedule="constant", batch_size=8)

@@ -30,7 +30,7 @@ FLAGS: dict[str, tuple[Any, str]] = {
     "grad_accum": (int, "gradient-accumulation steps"),
     "global_batch": (int, "samples per optimizer step; accumulation is derived"),
     "lr": (float, "peak learning rate"),
-    "lr_schedule": (LR_SCHEDULES, "constant, or linear decay to 0 over the run"),
+    "lr_schedule": (LR_SCHEDULES, "constant, or linear or cosine decay to 0 over the run (after the warm-up)"),
     "warmup_steps": (int, "linear warm-up steps"),
     "weight_decay": (float, "AdamW weight decay"),
     "grad_clip": (float, "clip the gradient norm to this (0: off)"),
