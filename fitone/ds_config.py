@@ -88,15 +88,15 @@ def build_ds_config(
 def lr_scheduler(cfg: TrainConfig, total_steps: int | None) -> dict[str, Any] | None:
     """Linear warm-up, then linear or cosine decay to 0 when the run's length is known; constant without
     warm-up. DeepSpeed's own schedulers, so checkpoints carry their state."""
-    warm = {"warmup_min_lr": 0.0, "warmup_max_lr": cfg.lr, "warmup_num_steps": cfg.warmup_steps,
-            "warmup_type": "linear"}
+    steps = max(1, cfg.warmup_steps)  # DeepSpeed 0.19's schedulers refuse warmup_num_steps 0
+    warm = {"warmup_min_lr": 0.0, "warmup_max_lr": cfg.lr, "warmup_num_steps": steps, "warmup_type": "linear"}
+    total = max(total_steps or 0, cfg.warmup_steps + 1)
     if cfg.lr_schedule == "cosine" and total_steps:  # WarmupCosineLR takes ratios of the optimizer's lr
         return {"type": "WarmupCosineLR", "params": {
-            "total_num_steps": max(total_steps, cfg.warmup_steps + 1), "warmup_min_ratio": 0.0,
-            "warmup_num_steps": max(1, cfg.warmup_steps), "cos_min_ratio": 0.0, "warmup_type": "linear"}}
-    if cfg.lr_schedule == "linear" and total_steps:  # DeepSpeed 0.19 refuses warmup_num_steps 0
-        return {"type": "WarmupDecayLR", "params": {**warm, "warmup_num_steps": max(1, cfg.warmup_steps),
-                                                    "total_num_steps": max(total_steps, cfg.warmup_steps + 1)}}
+            "total_num_steps": total, "warmup_min_ratio": 0.0, "warmup_num_steps": steps, "cos_min_ratio": 0.0,
+            "warmup_type": "linear"}}
+    if cfg.lr_schedule == "linear" and total_steps:
+        return {"type": "WarmupDecayLR", "params": {**warm, "total_num_steps": total}}
     if cfg.warmup_steps > 0:
         return {"type": "WarmupLR", "params": warm}
     return None

@@ -170,14 +170,13 @@ class Trainer:
             cfg.accumulation(int(cfg.batch_size), int(os.environ.get("WORLD_SIZE", "1")))
         found = data_file(cfg, task)  # also refuses --prompt-field on a seq2seq model
         self._rows = read_jsonl(*found) if found else None  # read once: checked now, tokenised after the model
-        self._eval_fields = ("source", "target")  # the held-out rows' fields: exact match compares the second
-        self._eval_rows = None
-        if cfg.eval_data and cfg.eval_examples:
-            path, self._eval_fields = data_file(cfg, task, split="eval")
-            self._eval_rows = read_jsonl(path, self._eval_fields, flag="--eval-data")
-        if cfg.eval_every and data_file(cfg, task, split="eval") is None:
+        held_out = data_file(cfg, task, split="eval")
+        if cfg.eval_every and held_out is None:
             raise ConfigError(f"--eval-every needs held-out data and --data {cfg.data} has none: "
                               "add --eval-data FILE.jsonl")
+        self._eval_fields = held_out[1] if held_out else ()  # exact match compares a seq2seq row's second
+        # a user's held-out file is read (and so checked) now too; config validation ensured eval_examples > 0
+        self._eval_rows = read_jsonl(*held_out, flag="--eval-data") if cfg.eval_data else None
 
     def _setup_model(self) -> None:
         cfg = self.cfg
@@ -295,7 +294,6 @@ class Trainer:
                     self._save_or_stop(step_loss, stop, host_watch)
                     if cfg.eval_every and self.state["step"] % cfg.eval_every == 0 \
                             and self.state["step"] < self.total_steps:  # the last step's comes after the export
-                        engine.sync_weights()  # an overlapped mode's pending update lands first
                         self._score(evals)
         finally:
             if bar is not None:
@@ -460,6 +458,7 @@ class Trainer:
     def _score(self, evals: list[dict[str, float]]) -> dict[str, float]:
         """Evaluate now; keep the numbers with their step in `evals` (rank 0 only has any). A held-out score
         that runs out of GPU memory is skipped with a warning: it must not end (or lose) the training."""
+        self.engine.sync_weights()  # the scores read the weights: an overlapped mode's pending update lands first
         try:
             quality = self._evaluate()
         except Exception as exc:

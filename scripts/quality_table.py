@@ -9,10 +9,10 @@ largest gap between WINDOW-step means after the warm-up (signed: negative is a l
 reference's), and the held-out quality numbers with the eval_loss gap. Draws the curves (10-step means)
 to a PNG next to the first file (or --png). The tolerance stated with the table is TOLERANCE, both ways:
 a run passes when its last-50 mean, every WINDOW-step mean after the warm-up and its held-out eval_loss
-stay within it (relative to
-the reference's), it has no NaN step, and it skipped no more steps than the reference plus 2. A run cut
-short is compared on the steps all runs share; where either side has no held-out eval_loss the verdict
-is "curve only" (the run's curve passes, its final quality number could not be compared).
+stay within it (relative to the reference's), it has no NaN step, and it skipped no more steps than the
+reference plus 2. A run cut short is compared on the steps all runs share; where either side has no final
+held-out eval_loss the verdict is "curve only" (the run's curve passes, its final quality number could not
+be compared).
 """
 
 from __future__ import annotations
