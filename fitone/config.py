@@ -85,7 +85,9 @@ class TrainConfig:
     offload: str = "cpu"
     delayed_update: bool = False  # one-step delayed parameter update (fitone.overlap): CPU Adam beside the GPU
     delayed_update_after: int = 20  # plain steps first
-    pipelined_update: bool = False  # the update pipelined into the next forward (fitone.overlap), one GPU
+    # the update pipelined into the next forward (fitone.overlap); None: on where it helps (one GPU, CPU
+    # offload: ds_config.update_mode), False: DeepSpeed's own step, True: asked for (an error where it cannot run)
+    pipelined_update: bool | None = None
     ds_config: str | None = None
     max_gpu_memory: str | None = None
     expandable_segments: bool = True  # CUDA allocator: grow segments in place instead of fragmenting
@@ -176,6 +178,10 @@ class TrainConfig:
             raise ConfigError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
         if self.offload not in OFFLOADS:
             raise ConfigError(f"--offload must be one of {', '.join(OFFLOADS)}, got {self.offload!r}")
+        if self.pipelined_update == "auto":  # a recipe or key=value may spell the default out
+            self.pipelined_update = None
+        if self.pipelined_update not in (None, True, False):
+            raise ConfigError(f"pipelined_update must be true, false or auto, got {self.pipelined_update!r}")
         if self.delayed_update and self.pipelined_update:
             raise ConfigError("give --delayed-update or --pipelined-update, not both")
         for flag, on in (("--delayed-update", self.delayed_update), ("--pipelined-update", self.pipelined_update)):

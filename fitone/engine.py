@@ -153,12 +153,12 @@ def start_runtime(cfg: TrainConfig, device: str) -> DistInfo:
     return replace(info, note=note) if note else info
 
 
-def overlap_options(cfg: TrainConfig) -> dict[str, Any]:
-    """Engine keyword arguments for the overlapped update a config asks for: training and the probe build
-    the same engine, so the probe's trials hold what training will hold (the pipelined update's landing
-    chunks on the GPU)."""
-    return {"delayed_after": cfg.delayed_update_after if cfg.delayed_update else None,
-            "pipelined": cfg.pipelined_update}
+def overlap_options(cfg: TrainConfig, mode: str) -> dict[str, Any]:
+    """Engine keyword arguments for an update mode (fitone.ds_config.update_mode): training and the probe
+    build the same engine, so the probe's trials hold what training will hold (the pipelined update's
+    landing chunks on the GPU)."""
+    return {"delayed_after": cfg.delayed_update_after if mode == "delayed" else None,
+            "pipelined": mode == "pipelined"}
 
 
 class Engine:

@@ -628,7 +628,7 @@ def _make_plan(cfg: TrainConfig, *, gpus: int, gpu_limit: int | None, gpu_limit_
     shape, notes = model_shape(cfg)
     lengths = Lengths(cfg.src_len, cfg.tgt_len) if shape.encoder_decoder else Lengths(cfg.seq_len, cfg.seq_len)
     auto = cfg.batch_size == "auto"
-    from fitone.ds_config import build_ds_config
+    from fitone.ds_config import build_ds_config, update_mode
 
     ds = build_ds_config(cfg, micro_batch=1 if auto else int(cfg.batch_size), world_size=gpus, on_gpu=on_gpu)
     zero = ds.get("zero_optimization", {})
@@ -638,7 +638,8 @@ def _make_plan(cfg: TrainConfig, *, gpus: int, gpu_limit: int | None, gpu_limit_
                 gpus=gpus, accumulation=int(ds.get("gradient_accumulation_steps", 1)),
                 bucket=int(float(zero.get("reduce_bucket_size", 5e8))), overlap_comm=bool(zero.get("overlap_comm")),
                 pin_memory=bool(offload_cfg.get("pin_memory", False)), on_gpu=on_gpu,
-                delayed_update=cfg.delayed_update, pipelined_update=cfg.pipelined_update)
+                delayed_update=cfg.delayed_update,
+                pipelined_update=update_mode(cfg, ds, world_size=gpus, on_gpu=on_gpu) == "pipelined")
 
     def gpu_total(b: int, off: bool, setup: _Setup = st) -> int:
         return sum(c.bytes for c in _gpu_components(setup, off, b))

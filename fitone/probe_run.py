@@ -27,7 +27,7 @@ import torch
 from fitone import memory
 from fitone.config import TrainConfig
 from fitone.data import Dataset, load_dataset, worst_case_batch
-from fitone.ds_config import build_ds_config
+from fitone.ds_config import build_ds_config, update_mode
 from fitone.engine import Engine, overlap_options, resolve_device, start_runtime
 from fitone.errors import ConfigError
 from fitone.models import (CAUSAL, build_model, check_seq_len, enable_activation_checkpointing, load_config,
@@ -212,6 +212,7 @@ class ProbeSession:
         self.cap_bytes = cfg.max_gpu_memory_bytes or memory.gpu_total_bytes()
         self.data, self.pad_id = self._worst_case_source()
         self.ds_config = probe_ds_config(cfg, device)
+        self.update = update_mode(cfg, self.ds_config, on_gpu=device == "cuda")  # training's, on one GPU
         self.rebuilds = 0
         self.skipped_steps = 0
         self.init_s = 0.0  # engine init, over every engine this session built
@@ -250,7 +251,7 @@ class ProbeSession:
                      f"{cfg.precision}, {ckpt}) in {self.build_s:.1f} s; starting the DeepSpeed ZeRO-2 engine "
                      f"(optimizer on {'the CPU' if cfg.offload == 'cpu' else 'the GPU'})")
         torch.manual_seed(cfg.seed)  # dropout masks, as in training
-        self.engine = Engine(self.model, self.ds_config, **overlap_options(cfg))
+        self.engine = Engine(self.model, self.ds_config, **overlap_options(cfg, self.update))
         self.engine.ds.train()
         self.init_s += self.engine.init_s
         self.say(f"engine ready in {self.engine.init_s:.1f} s")
@@ -356,7 +357,8 @@ class ProbeSession:
             "batch_target_tokens": None if self.task == CAUSAL else self.batch_tokens["labels"],
             "data": cfg.data, "worst_case": "longest examples" if self.data is not None else "maximum lengths",
             "precision": cfg.precision, "activation_checkpointing": cfg.activation_checkpointing,
-            "offload": cfg.offload, "pipelined_update": cfg.pipelined_update, "ds_config": cfg.ds_config,
+            "offload": cfg.offload, "update": self.update, "pipelined_update": cfg.pipelined_update,
+            "ds_config": cfg.ds_config,
             "device": self.device, "gpu": memory.gpu_name(),
             "max_gpu_memory": cfg.max_gpu_memory, "gpu_total_bytes": memory.gpu_total_bytes(), "world_size": 1,
             "engine_init_s": self.init_s, "model_build_s": self.build_s,
@@ -446,8 +448,8 @@ def probe_key(cfg: TrainConfig, config, device: str) -> dict[str, Any]:
         "expandable_segments": cfg.expandable_segments if device == "cuda" else None,
         "world_size": 1, "fitone": fitone.__version__, "deepspeed": deepspeed.__version__,
     }
-    if cfg.pipelined_update:  # its landing chunks take GPU memory (the delayed update's extra is on the host)
-        key["pipelined_update"] = True
+    if update_mode(cfg, probe_ds_config(cfg, device), on_gpu=device == "cuda") == "pipelined":
+        key["pipelined_update"] = True  # its landing chunks take GPU memory (the delayed update's extra is on the host)
     return key
 
 
@@ -512,10 +514,7 @@ def _measured(result: ProbeResult) -> str:
 def _recipe_values(meta: dict[str, Any]) -> dict[str, Any]:
     names = ("model", "from_scratch", "data", "src_len", "tgt_len", "seq_len", "precision",
              "activation_checkpointing", "offload", "pipelined_update", "max_gpu_memory", "device")
-    values = {k: meta[k] for k in names if meta.get(k) is not None}
-    if not values.get("pipelined_update"):  # the default: not worth a line
-        values.pop("pipelined_update", None)
-    return values
+    return {k: meta[k] for k in names if meta.get(k) is not None}  # pipelined_update only when it was given
 
 
 def _yaml_scalar(value: Any) -> str:

@@ -41,13 +41,15 @@ ROOT = Path(__file__).resolve().parent.parent
 GIB = 1024**3
 
 TOOLS = ("fitone", "deepspeed", "hf-trainer", "torch-plain", "torch-plain-uncapped", "hf-trainer-auto-find",
-         "fitone-delayed", "fitone-pipelined")
+         "fitone-delayed", "fitone-pipelined", "fitone-deepspeed-step")
 DEFAULT_TOOLS = TOOLS[:5]
 REUSABLE = {"deepspeed", "torch-plain", "torch-plain-uncapped"}  # one engine/model serves every size (--same-process)
 CAPPED = {"fitone", "deepspeed", "hf-trainer", "torch-plain", "hf-trainer-auto-find", "fitone-delayed",
-          "fitone-pipelined"}
-OVERLAPPED = {"fitone-delayed": {"delayed_update": True, "delayed_update_after": 1},
-              "fitone-pipelined": {"pipelined_update": True}}  # issue 8's modes: fitone with these options
+          "fitone-pipelined", "fitone-deepspeed-step"}
+# fitone with these options (`fitone` alone: its defaults, the pipelined update on one GPU)
+FITONE_VARIANTS = {"fitone-delayed": {"delayed_update": True, "delayed_update_after": 1},
+                   "fitone-pipelined": {"pipelined_update": True},
+                   "fitone-deepspeed-step": {"pipelined_update": False}}
 RECORD = "BENCH_RECORD "  # a child's final record for one batch size, one JSON object per line
 PARTIAL = "BENCH_PARTIAL "  # what a child knows so far; kept when it dies or times out
 QUICK = {"model": "t5-large", "batch_sizes": [16, 64], "tools": ["fitone", "deepspeed"]}
@@ -441,6 +443,7 @@ def child_main(job: dict[str, Any]) -> int:
     sys.path.insert(0, str(ROOT))
     emit(PARTIAL, {"started": time.time()})
     measure = {"fitone": measure_fitone, "fitone-delayed": measure_fitone, "fitone-pipelined": measure_fitone,
+               "fitone-deepspeed-step": measure_fitone,
                "deepspeed": measure_deepspeed, "hf-trainer": measure_hf_trainer,
                "hf-trainer-auto-find": measure_hf_auto_find, "torch-plain": measure_torch,
                "torch-plain-uncapped": measure_torch}[job["tool"]]
@@ -818,10 +821,14 @@ def capture_engines(sync: Callable[[], None], detail_from: int | None) -> Iterat
 def measure_fitone(job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """fitone.train at one micro-batch; its own CUDA-synchronised step times, ours for the split.
 
-    fitone-delayed / fitone-pipelined: with --delayed-update (from the second step) or --pipelined-update;
-    no split, since their CPU work runs beside the next step's GPU work.
+    `fitone` runs fitone's defaults (on one GPU: the pipelined update); fitone-deepspeed-step /
+    fitone-pipelined / fitone-delayed force DeepSpeed's step, the pipelined update, or the delayed update
+    from the second step. The split detail only for DeepSpeed's step: an overlapped update's CPU work runs
+    beside the next step's GPU work.
     """
     import importlib
+
+    from fitone.ds_config import build_ds_config, update_mode
 
     (size,) = job["sizes"]
     config = model_config(job)
@@ -830,12 +837,15 @@ def measure_fitone(job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     op_load_s = load_cpu_adam()
     sync = syncer(job["device"])
     warm, timed, extra = job["warmup"], job["steps"], job["split_steps"]
-    overlapped = OVERLAPPED.get(job["tool"], {})
-    extra = 0 if overlapped else extra
+    options = FITONE_VARIANTS.get(job["tool"], {})
+    on_gpu = job["device"] == "cuda"
+    planned = train_config(job, size, **options)
+    mode = update_mode(planned, build_ds_config(planned, micro_batch=size, on_gpu=on_gpu), on_gpu=on_gpu)
+    extra = extra if mode == "deepspeed" else 0
     detail_from = warm + timed if extra else None
     with capture_engines(sync, detail_from) as splits:  # before fitone.train is imported, so it sees the patch
         train = importlib.import_module("fitone.train").train
-        cfg = train_config(job, size, max_steps=warm + timed + extra, **overlapped)
+        cfg = train_config(job, size, max_steps=warm + timed + extra, **options)
         t0 = time.perf_counter()
         result = train(cfg)
         wall = time.perf_counter() - t0
@@ -848,8 +858,8 @@ def measure_fitone(job: dict[str, Any]) -> Iterator[dict[str, Any]]:
            "peak_host_gib": round(max(result.peak_host_rss_bytes / GIB, host_peak_gib()), 3),
            "init_s": round(result.init_s, 2), "wall_s": round(wall, 2), "skipped_steps": result.skipped_steps,
            "grad_accum": result.grad_accum, "fitone_samples_per_s": round(result.samples_per_s, 2),
-           "delayed_update": bool(overlapped.get("delayed_update")),
-           "pipelined_update": bool(overlapped.get("pipelined_update")),
+           "update": result.update, "delayed_update": result.update == "delayed",
+           "pipelined_update": result.update == "pipelined",
            **loss_fields(list(result.losses))}
     if split:
         rec.update(split.fields(warm, warm + timed))

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from fitone.config import TrainConfig
-from fitone.ds_config import BUCKET_SIZE, build_ds_config
+from fitone.ds_config import BUCKET_SIZE, build_ds_config, update_mode
 from fitone.errors import ConfigError
 
 
@@ -100,3 +100,32 @@ def test_user_file_errors(tmp_path, content, fragment):
     f.write_text(content)
     with pytest.raises(ConfigError, match=fragment):
         build_ds_config(TrainConfig(ds_config=str(f)), micro_batch=2)
+
+
+# -- which optimizer step a run takes ----------------------------------------------------------------
+def _mode(world_size: int = 1, on_gpu: bool = True, **options) -> str:
+    cfg = TrainConfig(model="t5-tiny", **options)
+    return update_mode(cfg, build_ds_config(cfg, micro_batch=2, world_size=world_size, on_gpu=on_gpu),
+                       world_size=world_size, on_gpu=on_gpu)
+
+
+def test_the_pipelined_update_is_the_default_on_one_gpu_with_the_optimizer_on_the_cpu():
+    assert _mode() == "pipelined"
+    assert _mode(world_size=2) == "deepspeed"  # ranks would all-gather the updated partitions first
+    assert _mode(on_gpu=False) == "deepspeed"  # nothing on a GPU to overlap the CPU Adam with
+    assert _mode(offload="none") == "deepspeed"  # no CPU optimizer step to move
+    assert _mode(pipelined_update=False) == "deepspeed"  # --no-pipelined-update
+    assert _mode(delayed_update=True) == "delayed"
+    assert _mode(pipelined_update=True, on_gpu=False) == "pipelined"  # asked for: the tests run it on the CPU
+    assert _mode(pipelined_update="auto") == "pipelined"  # a recipe may spell the default out
+
+
+def test_a_user_deepspeed_file_without_cpu_offload_keeps_deepspeeds_step(tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"zero_optimization": {"offload_optimizer": {"device": "none"}}}))
+    assert _mode(ds_config=str(path)) == "deepspeed"
+
+
+def test_pipelined_update_takes_true_false_or_auto():
+    with pytest.raises(ConfigError, match="true, false or auto"):
+        TrainConfig(model="t5-tiny", pipelined_update="sometimes")

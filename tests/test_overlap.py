@@ -1,4 +1,4 @@
-"""The one-step delayed parameter update (fitone.overlap) on real DeepSpeed ZeRO-2 CPU-offload engines.
+"""The overlapped updates (fitone.overlap: delayed and pipelined) on real DeepSpeed ZeRO-2 CPU-offload engines.
 
 Tiny T5 on the CPU in fp32 (DeepSpeed refuses fp16 there). What cannot be shown here is the speed: the
 point of the mode is a GPU busy while the CPU runs Adam; on a CPU both share the same cores.
@@ -188,6 +188,34 @@ def test_the_pipelined_update_trains_exports_and_resumes(tmp_path):
     fitone.train(cpu_config(**{**common, "max_steps": 8}, out=str(out), save_every=8))
     resumed = fitone.train(cpu_config(**common, out=str(out), resume=True, save_every=8))
     assert resumed.losses == pytest.approx(straight.losses[8:], rel=1e-5, abs=1e-6)
+    assert (plain.update, straight.update, resumed.update) == ("deepspeed", "pipelined", "pipelined")
+    # the checkpoint files are DeepSpeed's under either step: a run started on one resumes on the other
+    other = tmp_path / "switched"
+    fitone.train(cpu_config(**{**common, "max_steps": 8, "pipelined_update": False}, out=str(other), save_every=8))
+    switched = fitone.train(cpu_config(**common, out=str(other), resume=True, save_every=8))
+    assert switched.update == "pipelined" and switched.resumed_from == 8
+    assert switched.losses == pytest.approx(plain.losses[8:], rel=1e-3)
+
+
+def test_by_default_a_run_takes_the_step_update_mode_names_and_says_so(monkeypatch, capsys):
+    """On one GPU the default is the pipelined update. This CPU cannot be a GPU, so `update_mode` is told
+    it is one (faked: its on_gpu argument); the rest is real: the engine the run builds, what it says."""
+    import importlib
+
+    from fitone import ds_config
+
+    train_module = importlib.import_module("fitone.train")  # the module, not fitone.train the function
+
+    real = ds_config.update_mode
+    monkeypatch.setattr(train_module, "update_mode", lambda cfg, ds, **kw: real(cfg, ds, **{**kw, "on_gpu": True}))
+    common = dict(max_steps=6, lr=1e-3, lr_schedule="constant", warmup_steps=0, batch_size=8)
+    default = fitone.train(cpu_config(**common, progress=False))
+    said = capsys.readouterr()
+    assert default.update == "pipelined" and "optimizer step: the pipelined update" in said.out + said.err
+    plain = fitone.train(cpu_config(**common, progress=False, pipelined_update=False))
+    said = capsys.readouterr()
+    assert plain.update == "deepspeed" and "pipelined" not in said.out + said.err
+    assert default.losses == pytest.approx(plain.losses, rel=1e-3)
 
 
 def test_one_overlap_mode_at_a_time():

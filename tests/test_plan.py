@@ -116,7 +116,7 @@ def test_two_gpus_halve_the_partitioned_host_states():
 
 
 def test_the_delayed_update_adds_a_second_fp32_gradient_buffer_on_the_host():
-    plain = plan(**T5_3B, gpu_mem="24GiB", host_mem="256GiB")
+    plain = plan(**T5_3B, gpu_mem="24GiB", host_mem="256GiB", pipelined_update=False)  # DeepSpeed's step
     delayed = plan(**T5_3B, gpu_mem="24GiB", host_mem="256GiB", delayed_update=True)
     assert part(delayed, "host", "delayed-update gradients") == part(plain, "host", "fp32 gradients")
     assert delayed.gpu_total == plain.gpu_total  # nothing more on the GPU
@@ -207,13 +207,16 @@ def test_cli_table(capsys):
     assert "verdict:" in out and "largest micro-batch that fits" in out
 
 
-@pytest.mark.parametrize("flag, component, where", [("--pipelined-update", "pipelined-update landing", "gpu"),
-                                                     ("--delayed-update", "delayed-update gradients", "host")])
-def test_cli_counts_the_overlapped_update_a_flag_asks_for(capsys, flag, component, where):
+@pytest.mark.parametrize("without, with_, component, where", [
+    (["--no-pipelined-update"], [], "pipelined-update landing", "gpu"),  # on by default on one GPU
+    (["--no-pipelined-update", "--gpus", "2"], ["--gpus", "1"], "pipelined-update landing", "gpu"),  # ranks: off
+    ([], ["--delayed-update"], "delayed-update gradients", "host"),
+])
+def test_cli_counts_the_overlapped_update_the_run_will_take(capsys, without, with_, component, where):
     argv = ["plan", "--model", "t5-small", "--from-scratch", "--gpu-mem", "24GiB", "--host-mem", "64GiB", "--json"]
-    assert dispatch(argv) == 0
+    assert dispatch([*argv, *without]) == 0
     assert component not in {c["name"] for c in json.loads(capsys.readouterr().out)["components"][where]}
-    assert dispatch([*argv, flag]) == 0
+    assert dispatch([*argv, *with_]) == 0
     assert component in {c["name"] for c in json.loads(capsys.readouterr().out)["components"][where]}
 
 
@@ -299,8 +302,10 @@ def test_host_rss_of_a_real_offload_engine_matches_the_plan(monkeypatch):
 def test_the_pipelined_update_adds_two_fp32_upload_chunks_on_the_gpu():
     from fitone.overlap import UPLOAD_CHUNK
 
-    plain = plan(**T5_3B, gpu_mem="24GiB", host_mem="256GiB")
-    piped = plan(**T5_3B, gpu_mem="24GiB", host_mem="256GiB", pipelined_update=True)
+    plain = plan(**T5_3B, gpu_mem="24GiB", host_mem="256GiB", pipelined_update=False)
+    piped = plan(**T5_3B, gpu_mem="24GiB", host_mem="256GiB")  # the default on one GPU
+    two_ranks = plan(**T5_3B, gpu_mem="24GiB", host_mem="256GiB", gpus=2)  # several ranks take DeepSpeed's step
+    assert "pipelined-update landing" not in {c.name for c in two_ranks.gpu}
     assert part(piped, "gpu", "pipelined-update landing") == 2 * 4 * UPLOAD_CHUNK
     assert piped.host_total == plain.host_total  # nothing more on the host
     assert plain.gpu_total < piped.gpu_total <= plain.gpu_total + 1.1 * 2 * 4 * UPLOAD_CHUNK  # + fragmentation margin

@@ -362,6 +362,9 @@ def test_cache_key_follows_what_decides_memory(tmp_path):
                    {"offload": "none"}):
         assert probe_key(base.replace(**change), config, "cpu") != key, change
     assert probe_key(base.replace(pipelined_update=True), config, "cpu") != key  # GPU landing chunks
+    on_gpu = probe_key(base, config, "cuda")  # the pipelined update is the default on one GPU
+    assert on_gpu == probe_key(base.replace(pipelined_update=True), config, "cuda") and on_gpu["pipelined_update"]
+    assert "pipelined_update" not in probe_key(base.replace(pipelined_update=False), config, "cuda")
     for same in ({"lr": 0.5}, {"seed": 7}, {"batch_size": 64}, {"seq_len": 64}, {"data": "synthetic"},
                  {"delayed_update": True}):  # the delayed update's extra buffer is on the host
         assert probe_key(base.replace(**same), config, "cpu") == key, same  # seq_len: not a T5's length

@@ -44,7 +44,8 @@ FLAGS: dict[str, tuple[Any, str]] = {
                              "old (faster; off by default)"),
     "delayed_update_after": (int, "plain steps before the delayed update starts (default 20)"),
     "pipelined_update": (bool, "run each step's CPU Adam and upload chunk by chunk while the next forward "
-                               "runs, each layer waiting for its own weights (one GPU; off by default)"),
+                               "runs, each layer waiting for its own weights; on by default on one GPU with "
+                               "--offload cpu (--no-pipelined-update: DeepSpeed's own step)"),
     "ds_config": (str, "a DeepSpeed JSON file merged over the generated config"),
     "max_gpu_memory": (str, "cap the CUDA allocator, e.g. 23GiB, to stand for a smaller card"),
     "expandable_segments": (bool, "CUDA allocator with expandable segments (less fragmentation; default "
