@@ -92,15 +92,27 @@ def update_mode(cfg: TrainConfig, ds: dict[str, Any], *, world_size: int = 1, on
     t5-3b; bench/results/2026-11-29-issue8-bar/, 2026-11-29-issue8-quality/): one GPU, ZeRO-2's optimizer
     on the CPU. Several ranks keep DeepSpeed's step (each would all-gather the updated partitions before
     any forward could run), and so does a CPU device (no GPU work to overlap the CPU Adam with).
-    `ds` is the run's DeepSpeed config, a user's --ds-config merged in.
+    `ds` is the run's DeepSpeed config, a user's --ds-config merged in: one that moves the optimizer off
+    the CPU or swaps DeepSpeedCPUAdam for torch.optim's Adam keeps DeepSpeed's step too.
     """
+    optimizer = ds.get("optimizer") or {}
+    # both overlapped modes run DeepSpeedCPUAdam's Adam(W) on its own states; torch_adam swaps in torch.optim's
+    cpu_adam = (str(optimizer.get("type", "")).lower() in ("adam", "adamw")
+                and not (optimizer.get("params") or {}).get("torch_adam"))
+    asked = "--delayed-update" if cfg.delayed_update else "--pipelined-update" if cfg.pipelined_update else None
+    if asked and not cpu_adam:
+        raise ConfigError(f"{asked} runs DeepSpeedCPUAdam's Adam/AdamW: drop the optimizer's type or torch_adam "
+                          "from --ds-config, or drop the flag")
+    if cfg.pipelined_update and world_size > 1:
+        raise ConfigError("--pipelined-update runs on one GPU: drop it under a launcher (several GPUs take "
+                          "DeepSpeed's step)")
     if cfg.delayed_update:
         return "delayed"
     if cfg.pipelined_update is not None:
         return "pipelined" if cfg.pipelined_update else "deepspeed"
     zero = ds.get("zero_optimization") or {}
     offloaded = (zero.get("offload_optimizer") or {}).get("device") == "cpu"
-    return "pipelined" if on_gpu and world_size == 1 and offloaded else "deepspeed"
+    return "pipelined" if on_gpu and world_size == 1 and offloaded and cpu_adam else "deepspeed"
 
 
 def lr_scheduler(cfg: TrainConfig, total_steps: int | None) -> dict[str, Any] | None:

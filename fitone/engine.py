@@ -255,6 +255,7 @@ class Engine:
         tests/test_probe_run.py finds later steps identical to a fresh engine's; on an H200 a real CUDA
         OOM in backward (t5-large, fp16, 6 GiB cap) was followed by fitting trials on the same engine.
         """
+        self.sync_weights()  # an overlapped update still in flight reads the host buffers reset below
         opt = self.optimizer
         if hasattr(opt, "_backward_hook_state"):  # the aborted backward never ran exit_backward()
             opt._backward_active_depth = 0

@@ -123,8 +123,8 @@ def batch_size_for_training(cfg: TrainConfig, say: Say = print) -> int:
             f"{result.meta['cache_file']}")
     elif world_size > 1:
         raise ConfigError(f"--batch-size auto under {world_size} ranks needs a saved one-GPU probe: run "
-                          "`fitone probe-batch` with the same model, lengths, precision and cap without a "
-                          "launcher first (or pass --batch-size N)")
+                          "`fitone probe-batch` with the same model, lengths, precision, cap and "
+                          "--[no-]pipelined-update flag without a launcher first (or pass --batch-size N)")
     else:
         say("--batch-size auto: no saved probe for this model, precision, lengths, GPU and cap: probing first")
         result = probe_batch(cfg, use_cache=False, say=say)
@@ -514,7 +514,15 @@ def _measured(result: ProbeResult) -> str:
 def _recipe_values(meta: dict[str, Any]) -> dict[str, Any]:
     names = ("model", "from_scratch", "data", "src_len", "tgt_len", "seq_len", "precision",
              "activation_checkpointing", "offload", "pipelined_update", "max_gpu_memory", "device")
-    return {k: meta[k] for k in names if meta.get(k) is not None}  # pipelined_update only when it was given
+    values = {k: meta[k] for k in names if k != "pipelined_update" and meta.get(k) is not None}
+    # the optimizer step, only where the default would take another one (a saved probe serves both a
+    # default run and an explicit --pipelined-update on a GPU: the recipe must not pin what was not asked)
+    on_gpu = meta.get("device") == "cuda"
+    if meta.get("update") == "pipelined" and not on_gpu:
+        values["pipelined_update"] = True
+    elif meta.get("update") == "deepspeed" and on_gpu and meta.get("offload") == "cpu":
+        values["pipelined_update"] = False
+    return values
 
 
 def _yaml_scalar(value: Any) -> str:

@@ -118,9 +118,11 @@ class Trainer:
         self.dist: DistInfo = start_runtime(cfg, self.device)
         if self.dist.note:
             self._say(self.dist.note)
-        if cfg.pipelined_update and self.dist.world_size > 1:  # by default several ranks take DeepSpeed's step
-            raise ConfigError("--pipelined-update runs on one GPU: drop it under a launcher (several GPUs take "
-                              "DeepSpeed's step)")
+        # which optimizer step: decided (and a flag it cannot honour refused) before any weights load; the
+        # sections it reads do not depend on the batch size, which may still be 'auto'
+        planned = build_ds_config(cfg.replace(batch_size=1, grad_accum=None, global_batch=None), micro_batch=1,
+                                  on_gpu=self.device == "cuda")
+        self.update = update_mode(cfg, planned, world_size=self.dist.world_size, on_gpu=self.device == "cuda")
         # an 'auto' batch size is probed first, on its own model copy, before this run's weights load
         self.micro_batch = self._resolve_batch_size()
         self._setup_model()
@@ -226,7 +228,6 @@ class Trainer:
         memory.reset_gpu_peak()
         if self.cfg.offload == "cpu" and not cpu_adam_built():
             self._say("building DeepSpeed's CPU Adam once for this machine (1-2 minutes; cached for later runs)")
-        self.update = update_mode(self.cfg, ds_config, world_size=self.dist.world_size, on_gpu=self.device == "cuda")
         self.engine = Engine(self.loaded.model, ds_config, **overlap_options(self.cfg, self.update))
         if self.update == "pipelined" and self.cfg.pipelined_update is None:
             self._say("optimizer step: the pipelined update (CPU Adam and upload overlapped with the next forward; "

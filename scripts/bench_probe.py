@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cap", default="23GiB", help="--max-gpu-memory for every child ('none': no cap)")
     p.add_argument("--device", default="auto", choices=("auto", "cuda", "cpu"))
     p.add_argument("--no-activation-checkpointing", dest="activation_checkpointing", action="store_false")
+    p.add_argument("--no-pipelined-update", dest="pipelined_update", action="store_false",
+                   help="every child on DeepSpeed's step (the results before the pipelined update became the "
+                        "default, bench/results/2026-11-29-probe*/, ran it)")
     p.add_argument("--max-batch", type=int, default=None, help="probe-batch --max-batch (default: its own)")
     p.add_argument("--verify-steps", type=int, default=None, help="probe-batch --verify-steps (default: its own)")
     p.add_argument("--train-steps", type=int, default=20, help="steps the found size must train")
@@ -78,6 +81,8 @@ def model_args(args: argparse.Namespace) -> list[str]:
         out += ["--max-gpu-memory", args.cap]
     if not args.activation_checkpointing:
         out.append("--no-activation-checkpointing")
+    if not args.pipelined_update:
+        out.append("--no-pipelined-update")
     return out
 
 
@@ -163,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         "tool": "fitone-probe", "model": args.model, "precision": args.precision,
         **({"seq_len": args.seq_len} if is_causal(args.model) else {"src_len": args.src_len, "tgt_len": args.tgt_len}),
         "cap": args.cap, "cap_gib": None, "activation_checkpointing": args.activation_checkpointing,
+        "pipelined_update_default": args.pipelined_update,
         "found_batch_size": None, "wall_s": None, "verified_fits": None, "next_size_ooms": None, "trials": [],
         "command": shlex.join(["python", "scripts/bench_probe.py", *(sys.argv[1:] if argv is None else argv)]),
         "date": dt.datetime.now().isoformat(timespec="seconds"),

@@ -8,7 +8,7 @@
 # host at once (speed is not measured here; each gets an equal share of the cores), then
 # scripts/quality_table.py compares the curves. Run from the repo root on the GPU machine (after the
 # .whl prelude); writes each run's log and metrics.jsonl under $1.
-# Each run is killed after LIMIT seconds (default 520, under the device tool's 600 s a call) so that what it
+# Each run is killed after LIMIT seconds (default 560, under the device tool's 600 s a call) so that what it
 # logged still comes back; its metrics.jsonl is written as it goes, so a cut run still gives a partial curve.
 # SIGKILL, not SIGTERM: on SIGTERM fitone writes a resumable checkpoint first (~20 s for t5-large), which
 # this throwaway run does not need and the call's time cannot spare.
@@ -23,12 +23,15 @@ steps=${2:-300}
 model=${MODEL:-t5-large}
 precision=${PRECISION:-fp16}
 extra=${EXTRA:---max-gpu-memory 23GiB}
-limit=${LIMIT:-520}
+limit=${LIMIT:-560}
 runs=(${RUNS:-deepspeed pipelined})  # the first is the reference; fewer runs get more cores each
 mkdir -p "$out"
 threads=$(( $(nproc) / ${#runs[@]} > 0 ? $(nproc) / ${#runs[@]} : 1 ))
 common="--model $model --from-scratch --data sample --src-len 8 --tgt-len 48 --batch-size 32 --lr 3e-4 --lr-schedule linear --warmup-steps 30 --max-steps $steps --precision $precision $extra --eval-examples 200 --log-every 1 --no-progress --seed 0"
 declare -A flags=([deepspeed]="--no-pipelined-update" [pipelined]="--pipelined-update" [delayed]="--delayed-update")
+for run in "${runs[@]}"; do
+  [[ -v flags[$run] ]] || { echo "gpu_quality.sh: unknown run '$run' in RUNS: choose from ${!flags[*]}" >&2; exit 2; }
+done
 for run in "${runs[@]}"; do
   cmd="python3 -m fitone train $common ${flags[$run]} --out /tmp/quality-$run --overwrite"
   echo "\$ OMP_NUM_THREADS=$threads $cmd" > "$out/$run.log"

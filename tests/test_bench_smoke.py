@@ -115,16 +115,19 @@ def test_child_logs_and_table_are_written(smoke):
     assert all(f"| {r['step_s']:.3f} (" in rendered for r in records)
 
 
-def test_the_overlapped_update_modes_run_as_their_own_tools(tmp_path):
+def test_the_update_modes_run_as_their_own_tools(tmp_path):
     out = tmp_path / "overlapped.json"
-    proc = _run(["--tools", "fitone-delayed,fitone-pipelined", *SMOKE, "--out", str(out)])
+    proc = _run(["--tools", "fitone-delayed,fitone-pipelined,fitone-deepspeed-step", *SMOKE, "--out", str(out)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    delayed, pipelined = json.loads(out.read_text())
-    assert delayed["tool"] == "fitone-delayed" and delayed["delayed_update"] and not delayed["pipelined_update"]
-    assert pipelined["tool"] == "fitone-pipelined" and pipelined["pipelined_update"]
-    for r in (delayed, pipelined):
+    delayed, pipelined, plain = json.loads(out.read_text())
+    assert delayed["tool"] == "fitone-delayed" and delayed["update"] == "delayed" and not delayed["pipelined_update"]
+    assert pipelined["tool"] == "fitone-pipelined" and pipelined["update"] == "pipelined"
+    assert plain["tool"] == "fitone-deepspeed-step" and plain["update"] == "deepspeed"
+    for r in (delayed, pipelined, plain):
         assert r["error"] is None and len(r["step_times"]) == 2 and math.isfinite(r["loss_last"])
         assert r["samples_per_s"] > 0
+    # the split detail (syncs inside ZeRO-2's step) only where DeepSpeed's step ran
+    assert "split_detail" in plain and "split_detail" not in pipelined and "split_detail" not in delayed
 
 
 def test_a_child_that_times_out_leaves_an_error_record_and_the_file(tmp_path):

@@ -66,6 +66,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
         "ds_not_json": "{ \"zero_optimization\": { stage: 2 } }",
         "ds_unknown_top": json.dumps({"zero_optimisation": {"stage": 2}}),
         "ds_unknown_zero": json.dumps({"zero_optimization": {"reduce_bucket_sise": 1000}}),
+        "ds_torch_adam": json.dumps({"optimizer": {"type": "Adam", "params": {"torch_adam": True}}}),
     }
     paths = {}
     for name, text in texts.items():
@@ -124,6 +125,8 @@ BAD_INPUT = [
      r"unknown key 'zero_optimisation'.*did you mean 'zero_optimization'"),
     ("ds-config unknown zero key", {"ds_config": "{ds_unknown_zero}"},
      r"unknown key 'reduce_bucket_sise' in zero_optimization.*'reduce_bucket_size'"),
+    ("pipelined update on torch.optim's Adam", {"ds_config": "{ds_torch_adam}", "pipelined_update": True},
+     r"--pipelined-update runs DeepSpeedCPUAdam's Adam/AdamW: drop .*torch_adam"),
     ("resume with nothing to resume", {"resume": True}, r"nothing to resume in .*drop --resume"),
     ("resume and overwrite", {"resume": True, "overwrite": True}, r"--resume or --overwrite, not both"),
     ("seq-len beyond positions", {"model": "gpt2-tiny", "data": "{text}", "seq_len": "4096"},

@@ -120,10 +120,21 @@ def test_the_pipelined_update_is_the_default_on_one_gpu_with_the_optimizer_on_th
     assert _mode(pipelined_update="auto") == "pipelined"  # a recipe may spell the default out
 
 
-def test_a_user_deepspeed_file_without_cpu_offload_keeps_deepspeeds_step(tmp_path):
+def test_a_user_deepspeed_file_without_deepspeeds_cpu_adam_keeps_deepspeeds_step(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"zero_optimization": {"offload_optimizer": {"device": "none"}}}))
     assert _mode(ds_config=str(path)) == "deepspeed"
+    # torch.optim's Adam (L2 decay) in place of DeepSpeedCPUAdam: the overlapped modes run the latter's AdamW
+    path.write_text(json.dumps({"optimizer": {"type": "Adam", "params": {"torch_adam": True, "adam_w_mode": False}}}))
+    assert _mode(ds_config=str(path)) == "deepspeed"
+    for flag in ({"pipelined_update": True}, {"delayed_update": True}):
+        with pytest.raises(ConfigError, match="DeepSpeedCPUAdam"):
+            _mode(ds_config=str(path), **flag)
+
+
+def test_asking_for_the_pipelined_update_under_several_ranks_is_a_user_error():
+    with pytest.raises(ConfigError, match="runs on one GPU"):
+        _mode(world_size=2, pipelined_update=True)
 
 
 def test_pipelined_update_takes_true_false_or_auto():

@@ -208,6 +208,14 @@ def test_by_default_a_run_takes_the_step_update_mode_names_and_says_so(monkeypat
 
     real = ds_config.update_mode
     monkeypatch.setattr(train_module, "update_mode", lambda cfg, ds, **kw: real(cfg, ds, **{**kw, "on_gpu": True}))
+    built = []  # the overlapped update each engine of a run really holds
+
+    class Recorded(Engine):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            built.append(type(self.overlap).__name__)
+
+    monkeypatch.setattr(train_module, "Engine", Recorded)
     common = dict(max_steps=6, lr=1e-3, lr_schedule="constant", warmup_steps=0, batch_size=8)
     default = fitone.train(cpu_config(**common, progress=False))
     said = capsys.readouterr()
@@ -215,6 +223,7 @@ def test_by_default_a_run_takes_the_step_update_mode_names_and_says_so(monkeypat
     plain = fitone.train(cpu_config(**common, progress=False, pipelined_update=False))
     said = capsys.readouterr()
     assert plain.update == "deepspeed" and "pipelined" not in said.out + said.err
+    assert built == ["PipelinedUpdate", "NoneType"]
     assert default.losses == pytest.approx(plain.losses, rel=1e-3)
 
 

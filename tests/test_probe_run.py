@@ -121,9 +121,14 @@ def test_forward_oom_search_tries_these_sizes_then_backs_off_by_the_margin(cache
     assert [p.name for p in cache_root.iterdir()] == [meta["cache_file"].rsplit("/", 1)[-1]]
 
 
-def test_with_the_pipelined_update_the_probe_trials_run_the_engine_training_will_run(monkeypatch, tmp_path):
+@pytest.mark.parametrize("how", ["asked for", "the default on a GPU"])
+def test_with_the_pipelined_update_the_probe_trials_run_the_engine_training_will_run(monkeypatch, tmp_path, how):
     """Same faked budget and search as the default, on an engine with the pipelined update (its thread
-    really runs between trials, and a backward OOM arrives while the forward hooks have waited for it)."""
+    really runs between trials, and a backward OOM arrives while the forward hooks have waited for it).
+    'the default on a GPU': this CPU cannot be one, so `update_mode` is told it is (faked: on_gpu)."""
+    if how == "the default on a GPU":
+        real = probe_run.update_mode
+        monkeypatch.setattr(probe_run, "update_mode", lambda cfg, ds, **kw: real(cfg, ds, **{**kw, "on_gpu": True}))
     built = []  # the update mode of each engine the probe builds
 
     def engine(*args, **kwargs):
@@ -132,12 +137,23 @@ def test_with_the_pipelined_update_the_probe_trials_run_the_engine_training_will
         return made
 
     monkeypatch.setattr("fitone.probe_run.Engine", engine)
-    result = probe_batch(probe_config(pipelined_update=True), verify_steps=2, say=quiet,
-                         on_model=Budget(limit=5, phase="backward"))
+    cfg = probe_config(pipelined_update=True) if how == "asked for" else probe_config()
+    result = probe_batch(cfg, verify_steps=2, say=quiet, on_model=Budget(limit=5, phase="backward"))
     assert sizes(result) == [1, 2, 4, 8, 6, 5, 4] and result.chosen == 4 and result.verified
-    assert built and set(built) == {"PipelinedUpdate"}
+    assert built and set(built) == {"PipelinedUpdate"} and result.meta["update"] == "pipelined"
+    assert probe_run.probe_key(cfg, load_config("t5-tiny", from_scratch=True), "cpu")["pipelined_update"]
     recipe = yaml.safe_load(probe_run.save_to_recipe(result, tmp_path / "mine.yaml").read_text())
-    assert recipe["pipelined_update"] is True and recipe["batch_size"] == 4  # the recipe trains what was probed
+    # the recipe trains what was probed: on this CPU device the default would be DeepSpeed's step
+    assert recipe["pipelined_update"] is True and recipe["batch_size"] == 4
+
+
+def test_a_recipe_from_a_probe_names_the_step_only_where_the_default_would_take_another():
+    values = probe_run._recipe_values
+    base = {"model": "t5-3b", "offload": "cpu", "pipelined_update": True}  # the saved probe's own flag: ignored
+    assert "pipelined_update" not in values({**base, "device": "cuda", "update": "pipelined"})
+    assert values({**base, "device": "cuda", "update": "deepspeed"})["pipelined_update"] is False
+    assert values({**base, "device": "cpu", "update": "pipelined"})["pipelined_update"] is True
+    assert "pipelined_update" not in values({**base, "device": "cpu", "update": "deepspeed"})
 
 
 def test_backward_oom_is_reset_and_later_steps_match_a_fresh_engine(tmp_path):
