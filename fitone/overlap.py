@@ -1,4 +1,4 @@
-"""The CPU optimizer step of DeepSpeed's ZeRO-2 offload, overlapped with GPU work: two experimental modes.
+"""The CPU optimizer step of DeepSpeed's ZeRO-2 offload, overlapped with GPU work: two modes.
 
 In a ZeRO-2 offload step the GPU waits while the CPU unscales and clips the gradients, runs Adam over
 every parameter and stages the new 16-bit weights for upload (~1.2 s of a 2.3 s t5-3b step at
@@ -10,6 +10,7 @@ micro-batch 64 on an H200; bench/NOTES.md). Both modes move that CPU work into a
 - `PipelinedUpdate`: step N's update runs chunk by chunk in the order the forward uses the weights, each
   chunk uploaded as soon as it is done, while step N+1's forward runs; a module's forward waits only
   for the chunks that hold its own weights. Nothing is stale: the arithmetic is DeepSpeed's step.
+  fitone's default on one GPU (fitone.ds_config.update_mode); the delayed update is experimental.
 
 What stays as in DeepSpeed's own step in both: the overflow check and loss-scale update (fp16) and the
 gradient norm are decided on the main thread, on this step's gradients, before anything is handed over;
