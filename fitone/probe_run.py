@@ -513,8 +513,8 @@ def _measured(result: ProbeResult) -> str:
 
 def _recipe_values(meta: dict[str, Any]) -> dict[str, Any]:
     names = ("model", "from_scratch", "data", "src_len", "tgt_len", "seq_len", "precision",
-             "activation_checkpointing", "offload", "pipelined_update", "max_gpu_memory", "device")
-    values = {k: meta[k] for k in names if k != "pipelined_update" and meta.get(k) is not None}
+             "activation_checkpointing", "offload", "max_gpu_memory", "device")
+    values = {k: meta[k] for k in names if meta.get(k) is not None}
     # the optimizer step, only where the default would take another one (a saved probe serves both a
     # default run and an explicit --pipelined-update on a GPU: the recipe must not pin what was not asked)
     on_gpu = meta.get("device") == "cuda"

@@ -119,10 +119,10 @@ class Trainer:
         if self.dist.note:
             self._say(self.dist.note)
         # which optimizer step: decided (and a flag it cannot honour refused) before any weights load; the
-        # sections it reads do not depend on the batch size, which may still be 'auto'
-        planned = build_ds_config(cfg.replace(batch_size=1, grad_accum=None, global_batch=None), micro_batch=1,
-                                  on_gpu=self.device == "cuda")
-        self.update = update_mode(cfg, planned, world_size=self.dist.world_size, on_gpu=self.device == "cuda")
+        # sections it reads do not depend on the micro-batch, which may still be 'auto'
+        on_gpu = self.device == "cuda"
+        self.update = update_mode(cfg, build_ds_config(cfg, micro_batch=1, on_gpu=on_gpu),
+                                  world_size=self.dist.world_size, on_gpu=on_gpu)
         # an 'auto' batch size is probed first, on its own model copy, before this run's weights load
         self.micro_batch = self._resolve_batch_size()
         self._setup_model()
