@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -49,6 +50,10 @@ class _OverlappedStep:
         self.after = after
         self.applied = 0  # steps applied, DeepSpeed's and ours (overflowed ones are not counted)
         self.pending: Future | None = None
+        # the last update sync() completed, in wall-clock seconds for the benchmark's split: adam_s (Adam in the
+        # thread), thread_s (the thread's whole update), wait_s (the main thread blocked on it: its critical path)
+        self.last_timing: dict[str, float] | None = None
+        self._wait_s = 0.0  # the pending update's wait_s so far
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fitone-update")
         self._plain_step = optimizer.step
         optimizer.step = self.step  # DeepSpeed's engine calls optimizer.step() at each boundary
@@ -155,6 +160,14 @@ class _OverlappedStep:
         call it before anything reads the weights or the optimizer state (checkpoint, export, the end)."""
         raise NotImplementedError
 
+    def _result(self, pending: Future) -> dict[str, float]:
+        """The thread's timing of a pending update, once done (the main thread's wait counted)."""
+        t0 = time.perf_counter()
+        try:
+            return pending.result()  # re-raises what the thread raised
+        finally:
+            self._wait_s += time.perf_counter() - t0
+
     def close(self) -> None:
         """Apply what is pending, stop the thread and give DeepSpeed its own step back."""
         try:
@@ -179,6 +192,7 @@ class DelayedUpdate(_OverlappedStep):
         grads = self._swap_gradient_buffers()
         self._release_step_buffers()
         steps = [self._next_step(i) for i in range(len(grads))]
+        self._wait_s = 0.0
         self.pending = self._pool.submit(self._cpu_update, grads, scale, hyper, steps, self._uploaded)
 
     def _swap_gradient_buffers(self) -> list[torch.Tensor]:
@@ -198,20 +212,26 @@ class DelayedUpdate(_OverlappedStep):
         return full
 
     def _cpu_update(self, grads: list[torch.Tensor], scale: float | None, hyper: list[dict[str, Any]],
-                    steps: list[int], uploaded: Any) -> None:
-        """Adam, then the 16-bit staging copy (background thread)."""
+                    steps: list[int], uploaded: Any) -> dict[str, float]:
+        """Adam, then the 16-bit staging copy (background thread); returns its timing."""
         opt = self.opt
+        start = time.perf_counter()
+        adam_s = 0.0
         for i, grad in enumerate(grads):
+            t0 = time.perf_counter()
             self._adam(i, grad, scale, hyper[i], steps[i])
+            adam_s += time.perf_counter() - t0
             if uploaded is not None:
                 uploaded.synchronize()  # the last upload may still be reading the staging buffer
             opt.param_buffer_of_bit16_for_cpu_offload_groups[i].data.copy_(opt.single_partition_of_fp32_groups[i].data)
+        return {"adam_s": adam_s, "thread_s": time.perf_counter() - start}
 
     def sync(self) -> None:
         if self.pending is None:
             return
         pending, self.pending = self.pending, None
-        pending.result()  # re-raises what the thread raised
+        timing = self._result(pending)
+        self.last_timing = {**timing, "wait_s": self._wait_s}
         from deepspeed.runtime.utils import all_gather_dp_groups
         import deepspeed.comm as dist
 
@@ -301,7 +321,9 @@ class PipelinedUpdate(_OverlappedStep):
         """Block until chunks [0, last_chunk] of group i are uploaded; order the GPU stream after them."""
         while self.waited[i] <= last_chunk:
             c = self.waited[i]
+            t0 = time.perf_counter()
             self.ready[i][c].wait()
+            self._wait_s += time.perf_counter() - t0
             if self.pending is not None and self.pending.done() and self.pending.exception() is not None:
                 self.pending.result()  # the thread failed: raise here rather than wait forever
             if self.uploaded[i][c] is not None:
@@ -322,6 +344,7 @@ class PipelinedUpdate(_OverlappedStep):
         self.ready = [[threading.Event() for _ in ends] for ends in self.chunks]
         self.uploaded = [[None] * len(ends) for ends in self.chunks]
         self.waited = [0] * len(self.chunks)
+        self._wait_s = 0.0
         done = None
         if self._side is not None:  # the copies must not overwrite weights the last backward still reads
             done = torch.cuda.Event()
@@ -329,19 +352,24 @@ class PipelinedUpdate(_OverlappedStep):
         self.pending = self._pool.submit(self._cpu_update, grads, scale, hyper, steps, done)
 
     def _cpu_update(self, grads: list[torch.Tensor], scale: float | None, hyper: list[dict[str, Any]],
-                    steps: list[int], backward_done: Any) -> None:
+                    steps: list[int], backward_done: Any) -> dict[str, float]:
+        """Adam and the upload, chunk by chunk (background thread); returns its timing."""
         opt = self.opt
         try:
             if backward_done is not None:
                 torch.cuda.set_device(self._side.device)  # a new thread starts on device 0
                 self._side.wait_event(backward_done)
+            start = time.perf_counter()
+            adam_s = 0.0
             k = 0  # chunks uploaded: alternates the two landing buffers
             for i, grad in enumerate(grads):
                 master = opt.single_partition_of_fp32_groups[i]
                 target = opt.parallel_partitioned_bit16_groups[i][0]
                 lo = 0
                 for c, hi in enumerate(self.chunks[i]):
+                    t0 = time.perf_counter()
                     self._adam(i, grad, scale, hyper[i], steps[i], lo, hi)
+                    adam_s += time.perf_counter() - t0
                     if self._side is not None:  # the side stream runs chunks in order: a landing buffer is
                         landing = self._landing[k % 2][:hi - lo]  # free once the cast two chunks back is done
                         with torch.cuda.stream(self._side):
@@ -355,6 +383,7 @@ class PipelinedUpdate(_OverlappedStep):
                         target.data[lo:hi].copy_(master.data[lo:hi])
                     self.ready[i][c].set()
                     lo = hi
+            return {"adam_s": adam_s, "thread_s": time.perf_counter() - start}
         finally:  # never leave the main thread waiting on a chunk that will not come
             for events in self.ready:
                 for event in events:
@@ -364,12 +393,13 @@ class PipelinedUpdate(_OverlappedStep):
         if self.pending is None:
             return
         pending, self.pending = self.pending, None
-        pending.result()
+        timing = self._result(pending)
         for i, ends in enumerate(self.chunks):
             self._wait_for(i, len(ends) - 1)  # the GPU stream now follows every upload
         if self._side is not None:
             self._side.synchronize()  # the uploads have read the fp32 master: the next update may write it
         self.ready = []
+        self.last_timing = {**timing, "wait_s": self._wait_s}
         self.opt._lazy_init_hp_params_optimizer_state()
 
     def close(self) -> None:

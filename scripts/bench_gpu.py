@@ -706,6 +706,12 @@ class EngineSplit:
     minus cpu_adam_s: fp32 -> fp16 copy on the host and the host -> GPU copy), `allgather_s` (timer
     optimizer_allgather), `backward_compute_s` = backward_s - grad_transfer_s and `optimizer_other_s` =
     optimizer_s minus its listed parts. The detail syncs remove overlap, so detail steps are not timed.
+
+    With fitone's overlapped update (it replaces `engine.optimizer.step` with its own bound method), a
+    step during which an update completed also gets that update's host wall-clock counters (no syncs
+    added; fitone.overlap's `last_timing`): `update_cpu_adam_s` (Adam in the background thread),
+    `update_thread_s` (the thread's whole update: Adam, issuing the uploads) and `update_wait_s` (time
+    the forward / backward / next step blocked on it: the CPU update on the critical path).
     """
 
     def __init__(self, engine: Any, sync: Callable[[], None], detail_from: int | None):
@@ -717,6 +723,7 @@ class EngineSplit:
         self.outer = Wrapper(sync)
         self.inner: Wrapper | None = None
         self._opt_timers = None
+        self._last_update: dict[str, float] | None = None  # the overlapped update's timing already recorded
         self.outer.wrap(engine, "forward", "forward_s")
         self.outer.wrap(engine, "backward", "backward_s")
         self.outer.wrap(engine, "step", "optimizer_s", after=self._step_done)
@@ -728,6 +735,7 @@ class EngineSplit:
         self.outer.times.clear()
         if self.inner is not None:
             step.update(self._detail(step))
+        step.update(self._update_timing())
         self.steps.append(step)
         if hasattr(self.engine, "was_step_applied"):
             self.skipped.append(not self.engine.was_step_applied())
@@ -735,6 +743,16 @@ class EngineSplit:
             self.skipped.append(bool(getattr(getattr(self.engine, "optimizer", None), "overflow", False)))
         if self.detail_from is not None and len(self.steps) == self.detail_from and self.inner is None:
             self._start_detail()
+
+    def _update_timing(self) -> dict[str, float]:
+        """The counters of the overlapped update that completed since the last step, if one did."""
+        overlap = getattr(getattr(getattr(self.engine, "optimizer", None), "step", None), "__self__", None)
+        timing = getattr(overlap, "last_timing", None)
+        if not isinstance(timing, dict) or timing is self._last_update:
+            return {}
+        self._last_update = timing
+        names = {"adam_s": "update_cpu_adam_s", "thread_s": "update_thread_s", "wait_s": "update_wait_s"}
+        return {name: timing[k] for k, name in names.items() if k in timing}
 
     def _start_detail(self) -> None:
         opt = getattr(self.engine, "optimizer", None)
@@ -774,13 +792,18 @@ class EngineSplit:
         self.outer.restore()
 
     def fields(self, first: int, last: int) -> dict[str, Any]:
-        """split = medians of the timed steps [first, last); split_detail = medians of the detail steps."""
-        coarse = [{k: v for k, v in s.items() if k in ("forward_s", "backward_s", "optimizer_s")}
-                  for s, skip in zip(self.steps[first:last], self.skipped[first:last]) if not skip]
+        """split = medians of the timed steps [first, last) (the update_* keys over those that have them);
+        split_detail = medians of the detail steps."""
+        timed = [s for s, skip in zip(self.steps[first:last], self.skipped[first:last]) if not skip]
+        coarse = [{k: v for k, v in s.items() if k in ("forward_s", "backward_s", "optimizer_s")} for s in timed]
+        updates = [{k: v for k, v in s.items() if k.startswith("update_")} for s in timed]
+        updates = [u for u in updates if u]
         detail = [s for s, skip in zip(self.steps[last:], self.skipped[last:]) if not skip]
         out: dict[str, Any] = {"peak_gpu_init_gib": self.init_peak_gib} if self.init_peak_gib is not None else {}
         if coarse:
             out["split"] = median_parts(coarse)
+            if updates:
+                out["split"].update(median_parts(updates))
         if detail:
             out["split_detail"] = median_parts(detail)
         elif self.steps[last:]:
@@ -824,7 +847,8 @@ def measure_fitone(job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     `fitone` runs fitone's defaults (on one GPU: the pipelined update); fitone-deepspeed-step /
     fitone-pipelined / fitone-delayed force DeepSpeed's step, the pipelined update, or the delayed update
     from the second step. The split detail only for DeepSpeed's step: an overlapped update's CPU work runs
-    beside the next step's GPU work.
+    beside the next step's GPU work; its split has the update's own counters instead (update_cpu_adam_s,
+    update_thread_s, update_wait_s: EngineSplit).
     """
     import importlib
 

@@ -128,6 +128,11 @@ def test_the_update_modes_run_as_their_own_tools(tmp_path):
         assert r["samples_per_s"] > 0
     # the split detail (syncs inside ZeRO-2's step) only where DeepSpeed's step ran
     assert "split_detail" in plain and "split_detail" not in pipelined and "split_detail" not in delayed
+    # an overlapped update's own counters instead, from the timed step in which it completed
+    for r in (delayed, pipelined):
+        split = r["split"]
+        assert 0 < split["update_cpu_adam_s"] <= split["update_thread_s"] and split["update_wait_s"] >= 0, r
+    assert not any(k.startswith("update_") for k in plain["split"])
 
 
 def test_a_child_that_times_out_leaves_an_error_record_and_the_file(tmp_path):

@@ -59,6 +59,8 @@ def test_the_delayed_update_applied_at_once_is_deepspeeds_update():
     try:
         run(delayed, range(1, 9), sync_each_step=True)
         assert delayed.overlap.applied == 8 and delayed.overlap.spare is not None  # 6 delayed updates ran
+        timing = delayed.overlap.last_timing  # the benchmark's split: the last update's wall-clock counters
+        assert 0 < timing["adam_s"] <= timing["thread_s"] and timing["wait_s"] >= 0
         got = weights(delayed)
         assert float(norm) > 1.0  # the clip factor was part of it
     finally:
@@ -166,10 +168,18 @@ def test_the_pipelined_update_is_deepspeeds_update_while_the_next_forward_runs()
     engine = make_pipelined(chunk_elements=4096)
     try:
         assert len(engine.overlap.chunks[0]) > 20  # many chunks: the forward really overtakes the thread
+        assert engine.overlap.last_timing is None
         _, got_losses = run(engine, range(1, 9))
+        seventh = engine.overlap.last_timing  # step 8 launched its update after landing step 7's
         engine.sync_weights()
         got = weights(engine)
         assert engine.overlap.applied == 8
+        # the benchmark's split (scripts/bench_gpu.py): each completed update's wall-clock counters
+        last = engine.overlap.last_timing
+        assert seventh is not None and last is not seventh
+        for timing in (seventh, last):
+            assert timing.keys() == {"adam_s", "thread_s", "wait_s"}
+            assert 0 < timing["adam_s"] <= timing["thread_s"] and timing["wait_s"] >= 0
     finally:
         engine.close()
     assert got_losses == pytest.approx(expected_losses, rel=1e-6, abs=1e-6)
