@@ -51,7 +51,8 @@ class _OverlappedStep:
         self.applied = 0  # steps applied, DeepSpeed's and ours (overflowed ones are not counted)
         self.pending: Future | None = None
         # the last update sync() completed, in wall-clock seconds for the benchmark's split: adam_s (Adam in the
-        # thread), thread_s (the thread's whole update), wait_s (the main thread blocked on it: its critical path)
+        # thread), thread_s (the thread's whole update), wait_s (the main thread blocked on it; the GPU may
+        # still run queued work meanwhile)
         self.last_timing: dict[str, float] | None = None
         self._wait_s = 0.0  # the pending update's wait_s so far
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fitone-update")

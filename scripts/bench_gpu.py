@@ -334,8 +334,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bench: {len(jobs)} child runs of {args.model} {args.precision} on {gpu}, cap {args.cap}; "
           f"results -> {out}", flush=True)
     signal.signal(signal.SIGTERM, _interrupt)
+    t0 = time.monotonic()
     new, interrupted = run_jobs(jobs, ctx, out, log_dir, args.budget)
-    print(f"\nbench: {len(new)} records written to {out}\n")
+    # the run's whole time (what a device call spends on it; --quick promises < 3 min)
+    print(f"\nbench: {len(new)} records written to {out} in {time.monotonic() - t0:.0f} s\n")
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_table import render
 
@@ -711,7 +713,8 @@ class EngineSplit:
     step during which an update completed also gets that update's host wall-clock counters (no syncs
     added; fitone.overlap's `last_timing`): `update_cpu_adam_s` (Adam in the background thread),
     `update_thread_s` (the thread's whole update: Adam, issuing the uploads) and `update_wait_s` (time
-    the forward / backward / next step blocked on it: the CPU update on the critical path).
+    the main thread blocked on it in forward / backward / the next step: an upper bound on the GPU's stall,
+    since kernels already queued may still be running while the host waits).
     """
 
     def __init__(self, engine: Any, sync: Callable[[], None], detail_from: int | None):

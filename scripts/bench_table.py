@@ -18,6 +18,8 @@ from typing import Any, Iterable
 SPLIT_KEYS = ("forward_s", "backward_s", "optimizer_s")
 DETAIL_KEYS = ("backward_compute_s", "grad_transfer_s", "grad_norm_s", "unscale_clip_s", "cpu_adam_s",
                "param_upload_s", "allgather_s", "optimizer_other_s")
+# an overlapped update's host counters (fitone's pipelined/delayed step), recorded in `split`
+UPDATE_KEYS = ("update_cpu_adam_s", "update_thread_s", "update_wait_s")
 
 
 def load(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
@@ -86,16 +88,21 @@ def render(records: list[dict[str, Any]]) -> str:
 
 
 def split_table(recs: list[dict[str, Any]]) -> str:
-    """Seconds per part of one step: the timed steps' forward/backward/optimizer, and the detail step's parts."""
+    """Seconds per part of one step: the timed steps' forward/backward/optimizer (and an overlapped update's
+    counters), and the detail step's parts."""
+    update = [k for k in UPDATE_KEYS if any(k in (r.get("split") or {}) for r in recs)]
     detail = [k for k in DETAIL_KEYS if any(k in (r.get("split_detail") or {}) for r in recs)]
-    head = ["tool", "micro-batch", *SPLIT_KEYS, *[f"detail: {k}" for k in detail]]
+    head = ["tool", "micro-batch", *SPLIT_KEYS, *[f"update: {k[len('update_'):]}" for k in update],
+            *[f"detail: {k}" for k in detail]]
     rows = ["| " + " | ".join(h.replace("_s", "") for h in head) + " |", "|" + "---|" * len(head)]
     for r in recs:
         coarse, fine = r.get("split") or {}, r.get("split_detail") or {}
         cells = [str(r.get("tool")), str(r.get("batch_size"))]
-        cells += [_num(coarse.get(k), ".3f") for k in SPLIT_KEYS] + [_num(fine.get(k), ".3f") for k in detail]
+        cells += [_num(coarse.get(k), ".3f") for k in (*SPLIT_KEYS, *update)]
+        cells += [_num(fine.get(k), ".3f") for k in detail]
         rows.append("| " + " | ".join(cells) + " |")
-    return "Where a step's time goes (seconds; detail from an extra step with a sync around each part):\n\n" + \
+    note = "; update: the overlapped update's host counters, wait = the main thread blocked on it" if update else ""
+    return f"Where a step's time goes (seconds; detail from an extra step with a sync around each part{note}):\n\n" + \
         "\n".join(rows) + "\n"
 
 

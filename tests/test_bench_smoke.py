@@ -11,6 +11,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -110,6 +111,7 @@ def test_child_logs_and_table_are_written(smoke):
     assert logs == ["deepspeed-b2.log", "fitone-b2.log", "hf-trainer-b2.log", "torch-plain-b2.log"]
     for tool in ("fitone", "deepspeed", "hf-trainer", "torch-plain"):
         assert f"| {tool} | none | 2 |" in stdout  # the table printed at the end
+    assert re.search(r"bench: 4 records written to \S+ in \d+ s", stdout)  # and how long the whole run took
     rendered = table.render(records)
     assert "Where a step's time goes" in rendered and rendered.count("| deepspeed |") == 2
     assert all(f"| {r['step_s']:.3f} (" in rendered for r in records)
@@ -133,6 +135,9 @@ def test_the_update_modes_run_as_their_own_tools(tmp_path):
         split = r["split"]
         assert 0 < split["update_cpu_adam_s"] <= split["update_thread_s"] and split["update_wait_s"] >= 0, r
     assert not any(k.startswith("update_") for k in plain["split"])
+    rendered = table.render([delayed, pipelined, plain])  # the counters get their own columns
+    assert "| update: cpu_adam | update: thread | update: wait |" in rendered
+    assert f"| {pipelined['split']['update_wait_s']:.3f} |" in rendered
 
 
 def test_a_child_that_times_out_leaves_an_error_record_and_the_file(tmp_path):
