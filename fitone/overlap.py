@@ -276,6 +276,7 @@ class PipelinedUpdate(_OverlappedStep):
         self.ready: list[list[threading.Event]] = []  # per group and chunk: set by the thread when uploaded
         self.uploaded: list[list[Any]] = []  # per group and chunk: a CUDA event (None on the CPU)
         self.waited: list[int] = []  # per group: chunks the main stream already waited for, this step
+        self._failed = False  # the thread raised: its `finally` sets every chunk ready before the future is done
         self._side = None
         if optimizer.bit16_groups_flat[0].is_cuda:
             self._side = torch.cuda.Stream()
@@ -325,8 +326,9 @@ class PipelinedUpdate(_OverlappedStep):
             t0 = time.perf_counter()
             self.ready[i][c].wait()
             self._wait_s += time.perf_counter() - t0
-            if self.pending is not None and self.pending.done() and self.pending.exception() is not None:
-                self.pending.result()  # the thread failed: raise here rather than wait forever
+            if self._failed and self.pending is not None:  # the thread failed: raise here (once, as sync
+                pending, self.pending = self.pending, None  # does), before a forward reads a stale chunk
+                pending.result()
             if self.uploaded[i][c] is not None:
                 torch.cuda.current_stream().wait_event(self.uploaded[i][c])
             self.waited[i] = c + 1
@@ -346,6 +348,7 @@ class PipelinedUpdate(_OverlappedStep):
         self.uploaded = [[None] * len(ends) for ends in self.chunks]
         self.waited = [0] * len(self.chunks)
         self._wait_s = 0.0
+        self._failed = False
         done = None
         if self._side is not None:  # the copies must not overwrite weights the last backward still reads
             done = torch.cuda.Event()
@@ -385,6 +388,9 @@ class PipelinedUpdate(_OverlappedStep):
                     self.ready[i][c].set()
                     lo = hi
             return {"adam_s": adam_s, "thread_s": time.perf_counter() - start}
+        except BaseException:
+            self._failed = True  # before `finally` wakes the main thread, which then raises instead of reading on
+            raise
         finally:  # never leave the main thread waiting on a chunk that will not come
             for events in self.ready:
                 for event in events:

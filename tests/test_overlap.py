@@ -186,6 +186,31 @@ def test_the_pipelined_update_is_deepspeeds_update_while_the_next_forward_runs()
     assert close_to(got, expected, atol=1e-6)
 
 
+def test_a_failed_pipelined_update_raises_in_the_forward_that_needs_it():
+    """The thread's error must stop the next forward at the first chunk the update did not write, not let it
+    run on stale weights until the step after. The failure is injected (a CPU Adam call that raises): a
+    real one would be e.g. host memory running out mid-update."""
+    engine = make_pipelined(chunk_elements=4096)
+    try:
+        run(engine, range(1, 3))  # step 1 is DeepSpeed's own; step 2 launched the first pipelined update
+        engine.sync_weights()
+        adam = engine.overlap._adam
+
+        def failing(i, grad, scale, hyper, step, lo=0, hi=None):
+            if lo >= 4 * 4096:  # the first chunks land; a later one fails
+                raise RuntimeError("injected CPU Adam failure")
+            adam(i, grad, scale, hyper, step, lo, hi)
+
+        engine.overlap._adam = failing
+        loss = engine.forward(fixed_batch(3))
+        engine.backward(loss)
+        engine.step()  # launches the update that fails
+        with pytest.raises(RuntimeError, match="injected CPU Adam failure"):
+            engine.forward(fixed_batch(4))
+    finally:
+        engine.close()  # raised once, where it happened: the teardown after it does not raise it again
+
+
 def test_the_pipelined_update_trains_exports_and_resumes(tmp_path):
     common = dict(max_steps=16, lr=1e-3, lr_schedule="constant", warmup_steps=0, batch_size=8,
                   pipelined_update=True)
