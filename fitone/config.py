@@ -83,9 +83,9 @@ class TrainConfig:
     precision: str = "fp16"
     activation_checkpointing: bool = True
     offload: str = "cpu"
-    delayed_update: bool = False  # one-step delayed parameter update (fitone.overlap): CPU Adam beside the GPU
+    delayed_update: bool = False  # one-step delayed parameter update (fitone.zero2.overlap): CPU Adam beside the GPU
     delayed_update_after: int = 20  # plain steps first
-    # the update pipelined into the next forward (fitone.overlap); None: on where it helps (one GPU, CPU
+    # the update pipelined into the next forward (fitone.zero2.overlap); None: on where it helps (one GPU, CPU
     # offload: ds_config.update_mode), False: DeepSpeed's own step, True: asked for (an error where it cannot run)
     pipelined_update: bool | None = None
     ds_config: str | None = None

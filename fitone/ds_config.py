@@ -86,7 +86,7 @@ def build_ds_config(
 
 
 def update_mode(cfg: TrainConfig, ds: dict[str, Any], *, world_size: int = 1, on_gpu: bool = True) -> str:
-    """Which optimizer step a run takes: 'deepspeed' (ZeRO-2's own), 'pipelined' or 'delayed' (fitone.overlap).
+    """Which optimizer step a run takes: 'deepspeed' (ZeRO-2's own), 'pipelined' or 'delayed' (fitone.zero2.overlap).
 
     The pipelined update is the default where it is measured faster and trains the same (1.4-1.5x on
     t5-3b; bench/results/2026-11-29-issue8-bar/, 2026-11-29-issue8-quality/): one GPU, ZeRO-2's optimizer

@@ -143,6 +143,9 @@ def cpu_adam_built() -> bool:
 def start_runtime(cfg: TrainConfig, device: str) -> DistInfo:
     """What every engine needs first, for training and probing alike: quiet logs, the process group,
     and the GPU cap."""
+    from fitone.zero2 import check_version
+
+    check_version()
     quiet_logs(cfg.verbose)
     note = share_cpu_threads()
     if device == "cuda":
@@ -167,27 +170,27 @@ class Engine:
     def __init__(self, model: torch.nn.Module, ds_config: dict[str, Any], *, delayed_after: int | None = None,
                  pipelined: bool = False):
         """delayed_after: start the one-step delayed parameter update after that many plain steps;
-        pipelined: the pipelined update from the second step (fitone.overlap). Default: DeepSpeed's step."""
+        pipelined: the pipelined update from the second step, on the lean host layout (fitone.zero2).
+        Default: DeepSpeed's step."""
         import deepspeed
 
+        from fitone.zero2 import layout, overflow, overlap
+
         start = time.perf_counter()
+        self.host: layout.LeanHost | None = None
+        if pipelined:
+            ds_config = layout.lean_offload_config(ds_config)
         self.ds_config = ds_config
         with ds_chatter():
             self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
-                model=model, model_parameters=[p for p in model.parameters() if p.requires_grad], config=ds_config
-            )
-        from fitone.overflow import defer_overflow_check
-
-        self.overflow_deferred = defer_overflow_check(self.optimizer)  # same decision, one host sync a step
-        self.overlap = None
+                model=model, model_parameters=layout.param_groups(model), config=ds_config)
+        self.overflow_deferred = overflow.defer_overflow_check(self.optimizer)  # same decision, one sync a step
+        self.overlap: overlap.DelayedUpdate | overlap.PipelinedUpdate | None = None
         if delayed_after is not None:
-            from fitone.overlap import DelayedUpdate
-
-            self.overlap = DelayedUpdate(self.optimizer, after=delayed_after)
+            self.overlap = overlap.DelayedUpdate(self.optimizer, after=delayed_after)
         elif pipelined:
-            from fitone.overlap import PipelinedUpdate
-
-            self.overlap = PipelinedUpdate(self.optimizer, self.ds.module, after=1)
+            self.host = layout.LeanHost(self.optimizer)
+            self.overlap = overlap.PipelinedUpdate(self.optimizer, self.ds.module, after=1)
         self.init_s = time.perf_counter() - start
 
     def sync_weights(self) -> None:
@@ -243,53 +246,11 @@ class Engine:
         return float(self.ds.get_lr()[0])
 
     def reset_after_oom(self) -> None:
-        """Make the engine usable after an out-of-memory error in backward or in the optimizer step.
+        """Make the engine usable after an out-of-memory error in backward or in the optimizer step."""
+        from fitone.zero2.oom import reset_after_oom
 
-        ZeRO-2 keeps per-backward bookkeeping that an interrupted backward leaves half-done: gradients
-        queued in the reduce bucket, partitions marked as reduced (the next backward then fails with
-        'Gradient computed twice for this partition'), the backward depth counter still raised, and a
-        micro-step counter that makes the next backward accumulate into stale host buffers. Reset all of
-        it to the state at the start of a step and release the buckets' GPU buffers. The optimizer's
-        states and the weights are kept (an OOM in step may have updated some of them; the probe does
-        not care, and training stops on an OOM anyway). Checked against DeepSpeed 0.19.8: on the CPU
-        tests/test_probe_run.py finds later steps identical to a fresh engine's; on an H200 a real CUDA
-        OOM in backward (t5-large, fp16, 6 GiB cap) was followed by fitting trials on the same engine.
-        """
         self.sync_weights()  # an overlapped update still in flight reads the host buffers reset below
-        opt = self.optimizer
-        if hasattr(opt, "_backward_hook_state"):  # the aborted backward never ran exit_backward()
-            opt._backward_active_depth = 0
-            opt._remaining_grad_acc_hooks = 0
-        if hasattr(opt, "clear_backward_seen_flag"):
-            opt.clear_backward_seen_flag()  # hook counters, and the grad_accum of the aborted backward
-        opt.zero_grad(set_to_none=True)
-        for bucket in getattr(opt, "ipg_buckets", {}).values():  # gradients queued for reduction
-            bucket.clear()
-        for name in ("extra_large_param_to_reduce", "previous_reduced_grads"):
-            getattr(opt, name, {}).clear()
-        reduced = getattr(opt, "params_already_reduced", [])
-        for i in range(len(reduced)):
-            reduced[i] = False
-        if hasattr(opt, "reset_partition_gradient_structures"):
-            opt.reset_partition_gradient_structures()
-        if hasattr(opt, "_release_ipg_buffers"):
-            opt._release_ipg_buffers()  # frees the reduce buckets on the GPU; the next backward allocates them
-        for name in ("averaged_gradients", "all_grad_tensors"):
-            grads = getattr(opt, name, {})
-            for key in list(grads):
-                grads[key] = None
-        if getattr(opt, "cpu_offload", False):
-            opt.reset_cpu_buffers()
-            opt._offload_accumulated_param_ids = set()
-        if hasattr(opt, "micro_step_id"):
-            from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID
-
-            opt.micro_step_id = INITIAL_MICRO_STEP_ID  # else the next backward counts as an accumulation step
-        timers = getattr(getattr(self.ds, "timers", None), "timers", {})  # only with wall_clock_breakdown
-        for timer in timers.values():
-            if getattr(timer, "started_", False):
-                timer.started_ = False
-        self.ds.zero_grad()
+        reset_after_oom(self.ds, self.optimizer)
         memory.free_memory()
 
     def save(self, save_dir: str, tag: str, client_state: dict[str, Any]) -> None:
@@ -311,8 +272,10 @@ class Engine:
             if self.overlap is not None:
                 self.overlap.close()
             self.ds.destroy()
+            if self.host is not None:
+                self.host.close()
         finally:
-            del self.ds, self.optimizer, self.scheduler, self.overlap
+            del self.ds, self.optimizer, self.scheduler, self.overlap, self.host
             memory.free_memory()
 
 

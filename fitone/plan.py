@@ -433,8 +433,8 @@ class _Setup:
     overlap_comm: bool
     pin_memory: bool
     on_gpu: bool
-    delayed_update: bool = False  # a second fp32 gradient buffer (fitone.overlap)
-    pipelined_update: bool = False  # two fp32 upload chunks on the GPU (fitone.overlap)
+    delayed_update: bool = False  # a second fp32 gradient buffer (fitone.zero2.overlap)
+    pipelined_update: bool = False  # two fp32 upload chunks on the GPU (fitone.zero2.overlap)
 
     @property
     def w(self) -> int:
@@ -461,7 +461,7 @@ def _gpu_components(st: _Setup, offload: bool, micro_batch: int) -> list[Compone
                                "largest param: temp_grad_buffer_for_gpu_offload (line 659), its autograd grad"
                                + (", fp32 copy for the CPU (line 1898)" if upcast else "")))
         if st.pipelined_update and st.on_gpu:
-            from fitone.overlap import UPLOAD_CHUNK
+            from fitone.zero2.overlap import UPLOAD_CHUNK
 
             comps.append(Component("pipelined-update landing", "buffers", 2 * 4 * min(UPLOAD_CHUNK, part),
                                    "two fp32 chunks: the updated master goes up and is cast on the GPU"))

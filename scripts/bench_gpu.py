@@ -711,7 +711,7 @@ class EngineSplit:
 
     With fitone's overlapped update (it replaces `engine.optimizer.step` with its own bound method), a
     step during which an update completed also gets that update's host wall-clock counters (no syncs
-    added; fitone.overlap's `last_timing`): `update_cpu_adam_s` (Adam in the background thread),
+    added; fitone.zero2.overlap's `last_timing`): `update_cpu_adam_s` (Adam in the background thread),
     `update_thread_s` (the thread's whole update: Adam, issuing the uploads) and `update_wait_s` (time
     the main thread blocked on it in forward / backward / the next step: an upper bound on the GPU's stall,
     since kernels already queued may still be running while the host waits).

@@ -1,4 +1,4 @@
-"""DeepSpeedCPUAdam against PyTorch's fused CPU AdamW (what fitone.overlap uses) on one flat fp32 tensor.
+"""DeepSpeedCPUAdam against PyTorch's fused CPU AdamW (what fitone.zero2.overlap uses) on one flat fp32 tensor.
 
 Median of 5 steps after one warm-up step, and the largest weight difference after them.
 

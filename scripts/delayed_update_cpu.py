@@ -2,8 +2,8 @@
 
 Five runs of t5-tiny on the bundled sample task (fp32, micro-batch 16, clip 1.0, constant lr, 300 steps):
   fitone default        DeepSpeed ZeRO-2 offload, fitone.train
-  fitone --pipelined-update the same arithmetic, run beside the next forward (fitone.overlap)
-  fitone --delayed-update   the one-step delayed update after 20 plain steps (fitone.overlap)
+  fitone --pipelined-update the same arithmetic, run beside the next forward (fitone.zero2.overlap)
+  fitone --delayed-update   the one-step delayed update after 20 plain steps (fitone.zero2.overlap)
   torch AdamW           a plain PyTorch loop on the same model, data order and clipping
   torch AdamW, delayed  the same loop applying each step's gradients one step late (after 20 plain steps)
 The two torch loops say whether a gap between the fitone runs comes from the method (staleness) or from

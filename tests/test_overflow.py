@@ -1,4 +1,4 @@
-"""fitone.overflow: DeepSpeed's offload overflow check kept on the device until the step, on real ZeRO-2
+"""fitone.zero2.overflow: DeepSpeed's offload overflow check kept on the device until the step, on real ZeRO-2
 CPU-offload engines (tiny T5, bf16 on the CPU, where DeepSpeed checks gradients as it does in fp16).
 
 The speed it buys (no host sync per gradient during the GPU's backward) cannot show on a CPU; what is

@@ -1,4 +1,4 @@
-"""The overlapped updates (fitone.overlap: delayed and pipelined) on real DeepSpeed ZeRO-2 CPU-offload engines.
+"""The overlapped updates (fitone.zero2.overlap: delayed and pipelined) on real DeepSpeed ZeRO-2 CPU-offload engines.
 
 Tiny T5 on the CPU in fp32 (DeepSpeed refuses fp16 there). What cannot be shown here is the speed: the
 point of the mode is a GPU busy while the CPU runs Adam; on a CPU both share the same cores.
@@ -148,7 +148,7 @@ def test_the_delayed_update_needs_the_cpu_optimizer():
 
 # -- the pipelined update ---------------------------------------------------------------------------
 def make_pipelined(chunk_elements: int) -> Engine:
-    from fitone.overlap import PipelinedUpdate
+    from fitone.zero2.overlap import PipelinedUpdate
 
     engine = make_engine(None)
     engine.overlap = PipelinedUpdate(engine.optimizer, engine.module, after=1, chunk_elements=chunk_elements)

@@ -298,7 +298,7 @@ def test_host_rss_of_a_real_offload_engine_matches_the_plan(monkeypatch):
 
 
 def test_the_pipelined_update_adds_two_fp32_upload_chunks_on_the_gpu():
-    from fitone.overlap import UPLOAD_CHUNK
+    from fitone.zero2.overlap import UPLOAD_CHUNK
 
     plain = plan(**T5_3B, gpu_mem="24GiB", host_mem="256GiB", pipelined_update=False)
     piped = plan(**T5_3B, gpu_mem="24GiB", host_mem="256GiB")  # the default on one GPU

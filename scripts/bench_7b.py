@@ -1,0 +1,122 @@
+"""Issue 19's measurement of one `fitone train` run: GPU init peak, host RSS (sampled every 0.2 s, with the
+phase it was in), tokens/s, the host bytes per parameter fitone's optimizer holds. Prints one JSON line
+(`BENCH7B {...}`) and writes it to $OUT/bench7b-<tag>.json.
+
+    python scripts/bench_7b.py TAG -- train --recipe llama-7b/24gb model=llama-7b from_scratch=true \
+        data=synthetic max_steps=21 save_every=20 out=/tmp/run --overwrite
+
+Everything after `--` is fitone's command line, run in this process (fitone.cli.dispatch).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+GIB = 2**30
+
+
+def main(argv: list[str]) -> int:
+    tag, fitone_args = argv[0], argv[argv.index("--") + 1:]
+    from fitone import engine as fitone_engine
+    import importlib
+
+    fitone_train = importlib.import_module("fitone.train")  # the module, not fitone.train the function
+    from fitone.cli import dispatch
+
+    record: dict = {"tag": tag, "command": "fitone " + " ".join(fitone_args)}
+    phase = ["start"]
+    samples: list[tuple[float, float, str]] = []
+    proc = psutil.Process()
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            samples.append((time.time(), proc.memory_info().rss / GIB, phase[0]))
+            stop.wait(0.2)
+
+    plain_init = fitone_engine.Engine.__init__
+
+    def init(self, *a, **k):
+        phase[0] = "engine init"
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        plain_init(self, *a, **k)
+        record["init_s"] = round(time.perf_counter() - t0, 1)
+        if torch.cuda.is_available():
+            record["peak_gpu_init_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 3)
+            record["gpu_after_init_gib"] = round(torch.cuda.memory_allocated() / GIB, 3)
+            record["weights_16bit_gib"] = round(sum(f.numel() * f.element_size()
+                                                    for f in self.optimizer.bit16_groups_flat) / GIB, 3)
+            torch.cuda.reset_peak_memory_stats()
+        record["groups"] = len(self.optimizer.bit16_groups)
+        record["params"] = sum(p.numel() for p in self.module.parameters())
+        phase[0] = "steps"
+
+    plain_save, plain_export = fitone_train.Trainer._save, fitone_train.Trainer._export
+
+    def save(self, *a, **k):
+        phase[0] = "save"
+        t0 = time.perf_counter()
+        try:
+            return plain_save(self, *a, **k)
+        finally:
+            record.setdefault("save_s", []).append(round(time.perf_counter() - t0, 1))
+            phase[0] = "steps"
+
+    def export(self, *a, **k):
+        phase[0] = "export"
+        if self.engine.host is not None:
+            record["optimizer_host_gib"] = {k: round(v / GIB, 3) for k, v in self.engine.host.host_bytes().items()}
+        return plain_export(self, *a, **k)
+
+    fitone_engine.Engine.__init__ = init
+    fitone_train.Trainer._save, fitone_train.Trainer._export = save, export
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    t0 = time.perf_counter()
+    try:
+        record["exit"] = dispatch(fitone_args)
+    except BaseException as exc:  # noqa: BLE001 - the record says what happened
+        record["exit"] = repr(exc)[:500]
+    record["wall_s"] = round(time.perf_counter() - t0, 1)
+    stop.set()
+    sampler.join()
+    if torch.cuda.is_available():
+        record["peak_gpu_steps_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 3)
+    by_phase: dict[str, float] = {}
+    for _, rss, ph in samples:
+        by_phase[ph] = max(by_phase.get(ph, 0.0), rss)
+    record["peak_host_gib_by_phase"] = {k: round(v, 2) for k, v in by_phase.items()}
+    record["peak_host_gib_before_export"] = round(max((r for _, r, ph in samples if ph != "export"), default=0), 2)
+    params = record.get("params")
+    if params:
+        record["host_bytes_per_param_before_export"] = round(record["peak_host_gib_before_export"] * GIB / params, 2)
+    out = next((a.split("=", 1)[1] for a in fitone_args if a.startswith("out=")), None)
+    if "--out" in fitone_args:
+        out = fitone_args[fitone_args.index("--out") + 1]
+    if out and (Path(out) / "metrics.jsonl").exists():
+        rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+        record["steps"] = len(rows)
+        record["loss_first_last"] = [rows[0].get("loss"), rows[-1].get("loss")] if rows else None
+        timed = [r["step_s"] for r in rows[3:] if r.get("step_s")]
+        if timed:
+            timed.sort()
+            record["median_step_s"] = timed[len(timed) // 2]
+            record["samples_per_s_median"] = [r.get("samples_per_s") for r in rows[3:]][len(timed) // 2]
+    print("BENCH7B " + json.dumps(record), flush=True)
+    dest = Path(os.environ.get("OUT", ".")) / f"bench7b-{tag}.json"
+    dest.write_text(json.dumps(record, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
