@@ -10,6 +10,8 @@ child (a timeout keeps what finished) and prints a table at the end. See bench/R
     python scripts/bench_gpu.py --quick               # t5-large, two sizes, fitone + deepspeed, < 3 min
     python scripts/bench_gpu.py --device cpu --tools deepspeed,torch-plain --batch-sizes 2 --steps 2
     python scripts/bench_gpu.py --tools hf-trainer-auto-find --auto-find-start 320
+    python scripts/bench_gpu.py --model llama-7b --precision bf16 --seq-len 512 --batch-sizes 8 \
+        --tools fitone,deepspeed --ds-param-groups 16 --grad-accum 1,4   # a causal LM, issue 19's speed bar
 
 Timing: every step is bracketed by torch.cuda.synchronize(); warm-up steps come first (the DeepSpeed
 loop also keeps warming while fp16 loss scaling still skips steps); `step_s` is the median of the
@@ -55,9 +57,14 @@ PARTIAL = "BENCH_PARTIAL "  # what a child knows so far; kept when it dies or ti
 QUICK = {"model": "t5-large", "batch_sizes": [16, 64], "tools": ["fitone", "deepspeed"]}
 
 # The fields every record has, in this order (measured ones are None where a run did not get that far).
-FIELDS = ("tool", "model", "params", "precision", "src_len", "tgt_len", "cap_gib", "batch_size", "step_s",
-          "step_s_spread", "samples_per_s", "peak_gpu_gib", "peak_host_gib", "init_s", "oom", "error", "gpu",
-          "date", "command")
+# src_len/tgt_len are set for seq2seq models, seq_len for causal LMs; the other ones are None.
+FIELDS = ("tool", "model", "params", "precision", "src_len", "tgt_len", "seq_len", "cap_gib", "batch_size",
+          "grad_accum", "step_s", "step_s_spread", "samples_per_s", "tokens_per_s", "peak_gpu_gib", "peak_host_gib",
+          "init_s", "oom", "error", "gpu", "date", "command")
+# tools that take --grad-accum above 1 (the others' loops have no accumulation)
+ACCUMULATING = {"deepspeed", "fitone", *FITONE_VARIANTS}
+LENGTHS = {"src_len": 128, "tgt_len": 128, "seq_len": 512}  # fitone's TrainConfig defaults (a test checks)
+HEARTBEAT_S = 10  # how often a child reports its host RSS, so one killed by the kernel still says how far it got
 
 
 # ================================================================================================
@@ -73,8 +80,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--precision", choices=("fp16", "bf16", "fp32"), default=None,
                    help="default fp16 (fp32 with --device cpu: DeepSpeed refuses fp16 on CPU)")
     p.add_argument("--model", default=None, help="shipped config name, built with random weights (default t5-3b)")
-    p.add_argument("--src-len", type=int, default=128)
-    p.add_argument("--tgt-len", type=int, default=128)
+    p.add_argument("--src-len", type=int, default=None, help="seq2seq models: source tokens (default 128)")
+    p.add_argument("--tgt-len", type=int, default=None, help="seq2seq models: target tokens (default 128)")
+    p.add_argument("--seq-len", type=int, default=None, help="causal LMs: tokens per sequence (default fitone's 512)")
+    p.add_argument("--grad-accum", default="1",
+                   help="comma list: micro-batches per optimizer step, a run each (fitone: global_batch = micro x "
+                        "K; deepspeed: gradient_accumulation_steps K); s/step and samples/s per optimizer step")
+    p.add_argument("--ds-param-groups", type=int, default=1,
+                   help="deepspeed tool: split the parameters into N consecutive optimizer groups of about equal "
+                        "size (DeepSpeed flattens one group at a time, so its init needs less GPU memory)")
     p.add_argument("--cap", default="23GiB", help="GPU memory cap standing for a smaller card ('none': no cap)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--steps", type=int, default=5, help="timed steps (median of them; use >= 5 on the GPU)")
@@ -148,13 +162,67 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             parser.error(str(exc))
     if not cpu and args.steps < 5:
         print(f"bench: warning: --steps {args.steps}: a median of fewer than 5 steps is noisy", file=sys.stderr)
+    check_lengths(parser, args)
+    try:
+        args.grad_accum = sorted({int(k) for k in str(args.grad_accum).split(",") if k.strip()})
+    except ValueError:
+        parser.error("--grad-accum takes whole numbers, e.g. 1 or 1,4")
+    if not args.grad_accum or min(args.grad_accum) < 1:
+        parser.error("--grad-accum needs at least one size of 1 or more")
+    no_accum = [t for t in args.tools if t not in ACCUMULATING]
+    if max(args.grad_accum) > 1 and no_accum:
+        parser.error(f"--grad-accum above 1 is for the tools {', '.join(sorted(ACCUMULATING))}; "
+                     f"drop {no_accum[0]!r} from --tools")
+    if args.ds_param_groups < 1:
+        parser.error("--ds-param-groups must be 1 or more")
     if args.auto_find_start is None:
         args.auto_find_start = max(args.batch_sizes) * 5 // 4
     return args
 
 
+def model_task(model: str) -> str:
+    """'causal' or 'seq2seq' (fitone.models' names) from the model's config file. The parent reads the JSON
+    itself: importing transformers (and torch) here costs tens of seconds on a busy machine. What the file
+    does not settle goes through fitone.models (ValueError with its message if it cannot load it)."""
+    for path in (ROOT / "fitone" / "model_configs" / f"{model}.json", Path(model, "config.json")):
+        if path.is_file():
+            values = json.loads(path.read_text())
+            if "is_encoder_decoder" in values:
+                return "seq2seq" if values["is_encoder_decoder"] else "causal"
+            names = values.get("architectures") or []
+            if names and all(n.endswith(("ForCausalLM", "LMHeadModel")) for n in names):
+                return "causal"
+            break
+    from fitone.errors import FitoneError
+    from fitone.models import load_config, task_of
+
+    try:
+        return task_of(load_config(model, from_scratch=True))
+    except FitoneError as exc:
+        raise ValueError(str(exc)) from exc
+
+
+def check_lengths(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Set args.task and fill the lengths that model's kind uses: src/tgt for seq2seq, seq_len for causal
+    (a seq_len beyond the model's positions is refused by the child, with fitone's message)."""
+    try:
+        args.task = model_task(args.model)
+    except ValueError as exc:
+        parser.error(str(exc))
+    given = [f"--{f.replace('_', '-')}" for f in LENGTHS if getattr(args, f) is not None]
+    wrong = [f for f in given if (f == "--seq-len") != (args.task == "causal")]
+    if wrong:
+        use = "--seq-len" if args.task == "causal" else "--src-len/--tgt-len"
+        parser.error(f"{wrong[0]} does not apply to {args.model} ({args.task}): use {use}")
+    for name, value in LENGTHS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+        elif getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be 1 or more")
+
+
 def plan_jobs(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """One job per child process: a tool and the batch sizes it runs, ascending."""
+    """One job per child process: a tool, its accumulation and the batch sizes it runs, ascending."""
     jobs = []
     for tool in args.tools:
         sizes = list(args.batch_sizes)
@@ -164,15 +232,18 @@ def plan_jobs(args: argparse.Namespace) -> list[dict[str, Any]]:
             sizes = [1] + sizes  # the blog's claim: plain fp16 fails at batch 1 on a 24 GB card
         cap = args.cap if tool in CAPPED else None
         groups = [sizes] if args.same_process and tool in REUSABLE else [[b] for b in sizes]
-        for group in groups:
-            jobs.append({
-                "tool": tool, "sizes": group, "model": args.model, "precision": args.precision,
-                "src_len": args.src_len, "tgt_len": args.tgt_len, "cap": cap, "warmup": args.warmup,
-                "steps": args.steps, "split_steps": args.split_steps, "device": args.device, "seed": args.seed,
-                "activation_checkpointing": args.activation_checkpointing,
-                "same_process": len(group) > 1,
-                "timeout": args.auto_find_timeout if tool == "hf-trainer-auto-find" else args.timeout,
-            })
+        for accum in args.grad_accum:
+            for group in groups:
+                jobs.append({
+                    "tool": tool, "sizes": group, "model": args.model, "task": args.task,
+                    "precision": args.precision, "src_len": args.src_len, "tgt_len": args.tgt_len,
+                    "seq_len": args.seq_len, "grad_accum": accum, "cap": cap, "warmup": args.warmup,
+                    "steps": args.steps, "split_steps": args.split_steps, "device": args.device, "seed": args.seed,
+                    "activation_checkpointing": args.activation_checkpointing,
+                    "same_process": len(group) > 1,
+                    **({"ds_param_groups": args.ds_param_groups} if tool == "deepspeed" else {}),
+                    "timeout": args.auto_find_timeout if tool == "hf-trainer-auto-find" else args.timeout,
+                })
     return jobs
 
 
@@ -296,15 +367,31 @@ def base_record(job: dict[str, Any], size: int, ctx: dict[str, Any]) -> dict[str
         from fitone.config import parse_size
 
         cap_gib = round(parse_size(job["cap"]) / GIB, 2)
-    rec.update(tool=job["tool"], model=job["model"], precision=job["precision"], src_len=job["src_len"],
-               tgt_len=job["tgt_len"], cap_gib=cap_gib, batch_size=size, oom=False, gpu=ctx["gpu"],
-               date=ctx["date"], command=ctx["command"], device=job["device"], warmup=job["warmup"],
-               steps=job["steps"], activation_checkpointing=job["activation_checkpointing"])
+    causal = job.get("task") == "causal"
+    rec.update(tool=job["tool"], model=job["model"], precision=job["precision"],
+               src_len=None if causal else job["src_len"], tgt_len=None if causal else job["tgt_len"],
+               seq_len=job["seq_len"] if causal else None, cap_gib=cap_gib, batch_size=size,
+               grad_accum=job.get("grad_accum", 1), oom=False, gpu=ctx["gpu"], date=ctx["date"],
+               command=ctx["command"], device=job["device"], warmup=job["warmup"], steps=job["steps"],
+               activation_checkpointing=job["activation_checkpointing"])
+    if "ds_param_groups" in job:
+        rec["ds_param_groups"] = job["ds_param_groups"]
     return rec
 
 
+def tokens_per_sample(rec: dict[str, Any]) -> int | None:
+    """Tokens one sequence carries: seq_len for a causal LM, source + target for seq2seq."""
+    if rec.get("seq_len"):
+        return rec["seq_len"]
+    if rec.get("src_len") and rec.get("tgt_len"):
+        return rec["src_len"] + rec["tgt_len"]
+    return None
+
+
 def tail(text: str, n: int = 15) -> str:
-    return "\n".join(text.rstrip().splitlines()[-n:])
+    """The last lines of a child's output, without its heartbeat and record lines."""
+    lines = [line for line in text.rstrip().splitlines() if not line.startswith((PARTIAL, RECORD))]
+    return "\n".join(lines[-n:])
 
 
 def _interrupt(*_: Any) -> None:
@@ -351,14 +438,15 @@ def run_jobs(jobs: list[dict[str, Any]], ctx: dict[str, Any], out: Path, log_dir
     started = time.monotonic()
     records = load_records(out)
     new: list[dict[str, Any]] = []
-    oom_at: dict[str, int] = {}  # tool -> smallest size that did not fit; larger sizes are not run
+    oom_at: dict[tuple[str, int], int] = {}  # (tool, accum) -> smallest size that did not fit; larger ones not run
     with tempfile.TemporaryDirectory(prefix="bench-logs-") as tmp:
         for job in jobs:
             sizes, tool = job["sizes"], job["tool"]
+            key = (tool, job.get("grad_accum", 1))
             timeout = job["timeout"]
             left = None if budget is None else budget - (time.monotonic() - started)
-            if tool in oom_at:
-                skip = {"oom": True, "note": f"not run: batch {oom_at[tool]} already ran out of memory"}
+            if key in oom_at:
+                skip = {"oom": True, "note": f"not run: batch {oom_at[key]} already ran out of memory"}
             elif left is not None and left < 30:
                 skip = {"error": "not run: --budget spent"}
             else:
@@ -369,8 +457,10 @@ def run_jobs(jobs: list[dict[str, Any]], ctx: dict[str, Any], out: Path, log_dir
                 continue
             if left is not None:
                 timeout = min(timeout, left - 10)
-            log_path = (log_dir or Path(tmp)) / f"{tool}-b{'-'.join(map(str, sizes))}.log"
-            print(f"bench: {tool} batch {','.join(map(str, sizes))} ...", flush=True)
+            accum = f"-a{key[1]}" if key[1] > 1 else ""
+            log_path = (log_dir or Path(tmp)) / f"{tool}-b{'-'.join(map(str, sizes))}{accum}.log"
+            print(f"bench: {tool} batch {','.join(map(str, sizes))}"
+                  f"{f' x {key[1]} micro-batches a step' if accum else ''} ...", flush=True)
             t0 = time.monotonic()
             interrupted = False
             try:
@@ -381,7 +471,7 @@ def run_jobs(jobs: list[dict[str, Any]], ctx: dict[str, Any], out: Path, log_dir
             done = collect(job, ctx, got, partial, failure, timeout)
             for rec in done:
                 if rec.get("oom"):
-                    oom_at[tool] = min(oom_at.get(tool, rec["batch_size"]), rec["batch_size"])
+                    oom_at[key] = min(oom_at.get(key, rec["batch_size"]), rec["batch_size"])
                 print("  " + one_line(rec), flush=True)
             if failure or any(r.get("error") for r in done):
                 print(f"  child output ({time.monotonic() - t0:.0f} s), last lines:\n" +
@@ -412,12 +502,16 @@ def collect(job: dict[str, Any], ctx: dict[str, Any], got: list[dict[str, Any]],
                 rec["error"] = failure or "the child printed no record"
                 if partial.get("phase"):
                     rec["error"] += f" during {partial['phase']}"
+        tokens = tokens_per_sample(rec)
+        if rec.get("samples_per_s") is not None and tokens:
+            rec["tokens_per_s"] = round(rec["samples_per_s"] * tokens, 1)
         out.append(rec)
     return out
 
 
 def one_line(rec: dict[str, Any]) -> str:
-    head = f"{rec['tool']} b={rec['batch_size']}: "
+    accum = rec.get("grad_accum") or 1
+    head = f"{rec['tool']} b={rec['batch_size']}{f' x{accum}' if accum > 1 else ''}: "
     if rec.get("error"):
         return head + "ERROR " + str(rec["error"]).splitlines()[0][:200]
     if rec.get("oom"):
@@ -427,7 +521,8 @@ def one_line(rec: dict[str, Any]) -> str:
     def num(key: str, fmt: str) -> str:
         return "?" if rec.get(key) is None else format(rec[key], fmt)
 
-    return (head + f"{num('step_s', '.3f')} s/step, {num('samples_per_s', '.1f')} samples/s, "
+    tokens = f"{num('tokens_per_s', ',.0f')} tokens/s, " if rec.get("seq_len") else ""
+    return (head + f"{num('step_s', '.3f')} s/step, {num('samples_per_s', '.1f')} samples/s, {tokens}"
             f"GPU {num('peak_gpu_gib', '.2f')} GiB, host {num('peak_host_gib', '.1f')} GiB, "
             f"init {num('init_s', '.1f')} s")
 
@@ -444,6 +539,7 @@ def child_main(job: dict[str, Any]) -> int:
     """Run the job's tool, print one RECORD line per batch size. Errors become records, not tracebacks only."""
     sys.path.insert(0, str(ROOT))
     emit(PARTIAL, {"started": time.time()})
+    start_heartbeat()
     measure = {"fitone": measure_fitone, "fitone-delayed": measure_fitone, "fitone-pipelined": measure_fitone,
                "fitone-deepspeed-step": measure_fitone,
                "deepspeed": measure_deepspeed, "hf-trainer": measure_hf_trainer,
@@ -463,6 +559,23 @@ def child_main(job: dict[str, Any]) -> int:
                 if failure_fields(exc)["oom"]:
                     break
     return 0
+
+
+def start_heartbeat(every: float = HEARTBEAT_S) -> None:
+    """Report this process's peak host RSS every few seconds (a daemon thread). A child the kernel kills for
+    host memory prints nothing more, so its record keeps the last value seen (a lower bound) and the phase."""
+    import threading
+
+    t0 = time.perf_counter()
+
+    def beat() -> None:
+        while True:
+            time.sleep(every)
+            with contextlib.suppress(Exception):
+                emit(PARTIAL, {"peak_host_gib_last_seen": host_peak_gib(),
+                               "last_seen_s": round(time.perf_counter() - t0, 1)})
+
+    threading.Thread(target=beat, name="bench-heartbeat", daemon=True).start()
 
 
 def failure_fields(exc: BaseException) -> dict[str, Any]:
@@ -501,16 +614,20 @@ def train_config(job: dict[str, Any], size: int, **extra: Any):
     from fitone.config import TrainConfig
 
     return TrainConfig(model=job["model"], from_scratch=True, data="synthetic", src_len=job["src_len"],
-                       tgt_len=job["tgt_len"], batch_size=size, precision=job["precision"],
+                       tgt_len=job["tgt_len"], seq_len=job["seq_len"], batch_size=size, precision=job["precision"],
                        max_gpu_memory=job["cap"], activation_checkpointing=job["activation_checkpointing"],
                        progress=True, out=None, seed=job["seed"], device=job["device"], **extra)  # the bar goes
     # to the child's log (stderr), so a child cut by --budget still shows the step it reached and its pace
 
 
 def model_config(job: dict[str, Any]):
-    from fitone.models import load_config
+    """The model's config; a causal LM's seq_len beyond its positions is refused here, before any build."""
+    from fitone.models import CAUSAL, check_seq_len, load_config, task_of
 
-    return load_config(job["model"], from_scratch=True)
+    config = load_config(job["model"], from_scratch=True)
+    if task_of(config) == CAUSAL:
+        check_seq_len(config, job["seq_len"], job["model"])
+    return config
 
 
 def param_count(config) -> int:
@@ -528,6 +645,7 @@ def build_on_cpu(job: dict[str, Any], checkpointing: bool = True):
     from fitone.models import build_model, enable_activation_checkpointing
 
     config = model_config(job)
+    emit(PARTIAL, {"phase": "model build"})
     t0 = time.perf_counter()
     torch.manual_seed(job["seed"])
     model = build_model(config)
@@ -561,11 +679,15 @@ def reset_gpu_peak() -> None:
     reset()
 
 
-def end_init() -> float:
-    """The GPU peak of building the model/engine (GiB); then the peak restarts for the steps."""
+def gpu_peak_gib() -> float:
     from fitone.memory import gpu_peak_bytes
 
-    peak = round(gpu_peak_bytes() / GIB, 3)
+    return round(gpu_peak_bytes() / GIB, 3)
+
+
+def end_init() -> float:
+    """The GPU peak of building the model/engine (GiB); then the peak restarts for the steps."""
+    peak = gpu_peak_gib()
     reset_gpu_peak()
     return peak
 
@@ -700,7 +822,9 @@ class EngineSplit:
     """Where a DeepSpeed engine's step goes, recorded per optimizer step.
 
     Every step: engine.forward / backward / step, each between CUDA syncs (`forward_s`, `backward_s`,
-    `optimizer_s`) and whether fp16 loss scaling skipped it. From step `detail_from` on (the extra
+    `optimizer_s`) and whether fp16 loss scaling skipped it; with gradient accumulation each is summed over
+    the step's micro-batches (engine.step runs after every backward and steps the optimizer at the last).
+    From step `detail_from` on (the extra
     --split-steps, after the timed ones), also inside the ZeRO optimizer, each part between syncs:
     `grad_transfer_s` (reduce_ipg_grads: gradient buckets reduced and copied GPU -> CPU; in backward),
     `grad_norm_s` (scaled_global_norm), `unscale_clip_s` (timer optimizer_gradients), `cpu_adam_s`
@@ -723,6 +847,11 @@ class EngineSplit:
         self.init_s: float | None = None  # deepspeed.initialize, when captured
         self.steps: list[dict[str, float]] = []
         self.skipped: list[bool] = []
+        self.accum = 1
+        with contextlib.suppress(Exception):
+            self.accum = max(1, int(engine.gradient_accumulation_steps()))
+        self._micro = 0  # engine.step calls since the last optimizer step
+        self._global_steps = getattr(engine, "global_steps", None)  # DeepSpeed counts skipped steps too
         self.outer = Wrapper(sync)
         self.inner: Wrapper | None = None
         self._opt_timers = None
@@ -734,6 +863,10 @@ class EngineSplit:
             self._start_detail()
 
     def _step_done(self) -> None:
+        self._micro += 1
+        if not self._at_boundary():  # an accumulation micro-step: no optimizer step yet
+            return
+        self._micro = 0
         step = dict(self.outer.times)
         self.outer.times.clear()
         if self.inner is not None:
@@ -746,6 +879,14 @@ class EngineSplit:
             self.skipped.append(bool(getattr(getattr(self.engine, "optimizer", None), "overflow", False)))
         if self.detail_from is not None and len(self.steps) == self.detail_from and self.inner is None:
             self._start_detail()
+
+    def _at_boundary(self) -> bool:
+        """Whether the engine.step that just returned stepped the optimizer: DeepSpeed's global_steps moved
+        (skipped steps count too), or, where that counter does not move, this was the accum-th call."""
+        steps = getattr(self.engine, "global_steps", None)
+        moved = isinstance(steps, int) and steps != self._global_steps
+        self._global_steps = steps
+        return moved or self._micro >= self.accum
 
     def _update_timing(self) -> dict[str, float]:
         """The counters of the overlapped update that completed since the last step, if one did."""
@@ -818,18 +959,24 @@ class EngineSplit:
 def capture_engines(sync: Callable[[], None], detail_from: int | None) -> Iterator[list[EngineSplit]]:
     """Patch deepspeed.initialize so every engine built inside (by fitone or HF) gets an EngineSplit, and
     the GPU peak is read and restarted once the engine is built (split.init_peak_gib, then peak_gpu_gib
-    over the steps: the same meaning for every tool)."""
+    over the steps: the same meaning for every tool). Inside a fitone Engine being built (capture_fitone_engine)
+    the peak is only read: that wrapper restarts it once the whole Engine is built."""
     import deepspeed
 
     splits: list[EngineSplit] = []
     original = deepspeed.initialize
 
     def initialize(*a, **k):
+        emit(PARTIAL, {"phase": "engine init"})
         t0 = time.perf_counter()
         result = original(*a, **k)
         init_s = time.perf_counter() - t0
         engine = result[0] if isinstance(result, tuple) else result
-        init_peak = end_init()
+        if _BUILDING_FITONE_ENGINE:  # fitone's Engine is not built yet: its wrapper ends the init
+            init_peak = gpu_peak_gib()
+        else:
+            init_peak = end_init()
+            emit(PARTIAL, {"phase": "steps"})
         with contextlib.suppress(Exception):  # instrumentation must never break the tool under test
             splits.append(EngineSplit(engine, sync, detail_from))
             splits[-1].init_peak_gib, splits[-1].init_s = init_peak, init_s
@@ -842,6 +989,40 @@ def capture_engines(sync: Callable[[], None], detail_from: int | None) -> Iterat
         deepspeed.initialize = original
 
 
+_BUILDING_FITONE_ENGINE: list[Any] = []  # non-empty while capture_fitone_engine's wrapper runs
+
+
+@contextlib.contextmanager
+def capture_fitone_engine(train_module: Any) -> Iterator[list[tuple[Any, float]]]:
+    """Patch the Engine class `train_module` builds (fitone.train's name `Engine`, wherever it lives) to keep
+    each instance with the GPU peak of its whole construction (GiB; fitone restarts the peak just before),
+    then restart the peak for the steps. Yields nothing captured where train_module has no such class."""
+    engines: list[tuple[Any, float]] = []
+    cls = getattr(train_module, "Engine", None)
+    if not isinstance(cls, type):
+        yield engines
+        return
+    original, own = cls.__init__, "__init__" in cls.__dict__
+
+    def __init__(self, *a, **k):
+        _BUILDING_FITONE_ENGINE.append(self)
+        try:
+            original(self, *a, **k)
+        finally:
+            _BUILDING_FITONE_ENGINE.pop()
+        engines.append((self, end_init()))
+        emit(PARTIAL, {"phase": "steps"})
+
+    cls.__init__ = __init__
+    try:
+        yield engines
+    finally:
+        if own:
+            cls.__init__ = original
+        else:
+            del cls.__init__
+
+
 # -- fitone ------------------------------------------------------------------------------------
 
 def measure_fitone(job: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -851,7 +1032,9 @@ def measure_fitone(job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     fitone-pipelined / fitone-delayed force DeepSpeed's step, the pipelined update, or the delayed update
     from the second step. The split detail only for DeepSpeed's step: an overlapped update's CPU work runs
     beside the next step's GPU work; its split has the update's own counters instead (update_cpu_adam_s,
-    update_thread_s, update_wait_s: EngineSplit).
+    update_thread_s, update_wait_s: EngineSplit). With --grad-accum K, global_batch = micro x K: a step is
+    K micro-batches. peak_gpu_init_gib is the harness's reading over fitone's whole Engine construction;
+    engine_init_peak_gpu_gib fitone's own count where its Engine exposes one (init_peak_gpu_bytes).
     """
     import importlib
 
@@ -864,23 +1047,28 @@ def measure_fitone(job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     op_load_s = load_cpu_adam()
     sync = syncer(job["device"])
     warm, timed, extra = job["warmup"], job["steps"], job["split_steps"]
-    options = FITONE_VARIANTS.get(job["tool"], {})
+    options = dict(FITONE_VARIANTS.get(job["tool"], {}))
+    accum = job.get("grad_accum", 1)
+    if accum > 1:
+        options["global_batch"] = size * accum
     on_gpu = job["device"] == "cuda"
     planned = train_config(job, size, **options)
     mode = update_mode(planned, build_ds_config(planned, micro_batch=size, on_gpu=on_gpu), on_gpu=on_gpu)
     extra = extra if mode == "deepspeed" else 0
     detail_from = warm + timed if extra else None
     with capture_engines(sync, detail_from) as splits:  # before fitone.train is imported, so it sees the patch
-        train = importlib.import_module("fitone.train").train
+        module = importlib.import_module("fitone.train")
         cfg = train_config(job, size, max_steps=warm + timed + extra, **options)
-        t0 = time.perf_counter()
-        result = train(cfg)
-        wall = time.perf_counter() - t0
+        with capture_fitone_engine(module) as engines:
+            emit(PARTIAL, {"phase": "fitone setup (model build)"})
+            t0 = time.perf_counter()
+            result = module.train(cfg)
+            wall = time.perf_counter() - t0
     split = splits[-1] if splits else None
     times = list(result.step_times)[warm:warm + timed]
     skipped = split.skipped[warm:warm + timed] if split and len(split.skipped) == len(result.step_times) else None
     rec = {"batch_size": size, "params": params, "op_load_s": op_load_s,
-           **summarise(times, skipped, size),
+           **summarise(times, skipped, size * result.grad_accum),
            **gpu_peaks(),
            "peak_host_gib": round(max(result.peak_host_rss_bytes / GIB, host_peak_gib()), 3),
            "init_s": round(result.init_s, 2), "wall_s": round(wall, 2), "skipped_steps": result.skipped_steps,
@@ -891,6 +1079,10 @@ def measure_fitone(job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     if split:
         rec.update(split.fields(warm, warm + timed))
         split.restore()
+    if engines:
+        engine, rec["peak_gpu_init_gib"] = engines[-1]
+        own = getattr(engine, "init_peak_gpu_bytes", None)
+        rec["engine_init_peak_gpu_gib"] = round(own / GIB, 3) if own is not None else None
     yield rec
 
 
@@ -904,21 +1096,29 @@ def loss_fields(losses: list[float]) -> dict[str, Any]:
 def measure_deepspeed(job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """A hand-written deepspeed.initialize loop with fitone's ZeRO-2 offload config (the blog's), as users
     write it. With several sizes (--same-process) one engine serves them all: ZeRO-2's buffers depend on
-    the bucket sizes, not the micro-batch, so only the config's batch fields (unused here) differ."""
+    the bucket sizes, not the micro-batch, so only the config's batch fields (unused here) differ.
+    --ds-param-groups N hands deepspeed.initialize N parameter groups (split_param_groups) instead of one
+    list; --grad-accum K sets gradient_accumulation_steps K and a step is K micro-batches."""
     import deepspeed
 
     from fitone.ds_config import build_ds_config
 
     sizes, sync = job["sizes"], syncer(job["device"])
+    accum = job.get("grad_accum", 1)
     op_load_s = load_cpu_adam()
     model, config, params, build_s = build_on_cpu(job)
     cap_memory(job)
-    ds = build_ds_config(train_config(job, sizes[0]), micro_batch=sizes[0], on_gpu=job["device"] == "cuda")
-    emit(PARTIAL, {"params": params, "build_s": round(build_s, 2), "op_load_s": op_load_s, "phase": "init"})
+    cfg = train_config(job, sizes[0], **({"global_batch": sizes[0] * accum} if accum > 1 else {}))
+    ds = build_ds_config(cfg, micro_batch=sizes[0], on_gpu=job["device"] == "cuda")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    groups = split_param_groups(trainable, job.get("ds_param_groups", 1))
+    # one group: the flat list, exactly as before the option existed
+    model_parameters = trainable if len(groups) == 1 else [{"params": g} for g in groups]
+    emit(PARTIAL, {"params": params, "build_s": round(build_s, 2), "op_load_s": op_load_s, "phase": "engine init",
+                   "ds_param_groups": len(groups)})
     reset_gpu_peak()
     t0 = time.perf_counter()
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                      config=ds)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model_parameters, config=ds)
     init_s = time.perf_counter() - t0
     init_peak = end_init()
     host_after_init = host_peak_gib()
@@ -926,6 +1126,8 @@ def measure_deepspeed(job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     for size in sizes:
         base = {"batch_size": size, "params": params, "build_s": round(build_s, 2), "op_load_s": op_load_s,
                 "init_s": round(init_s, 2), "host_after_init_gib": host_after_init, "peak_gpu_init_gib": init_peak,
+                "grad_accum": accum, "ds_param_groups": len(groups),
+                "ds_param_group_sizes": [sum(p.numel() for p in g) for g in groups],
                 **({"init_shared": True} if size != sizes[0] else {})}
         try:
             batch = make_batch(job, config, size, engine.device)
@@ -969,18 +1171,44 @@ def run_steps(one_step: Callable[[], bool], job: dict[str, Any],
     return times, skipped, first, last
 
 
+def split_param_groups(params: list, n: int) -> list[list]:
+    """`params` cut into min(n, len(params)) consecutive, non-empty groups of about equal numel: each group
+    takes parameters while that brings it closer to an equal share of what is left."""
+    n = max(1, min(n, len(params)))
+    groups: list[list] = []
+    i, left = 0, sum(p.numel() for p in params)
+    for remaining in range(n, 0, -1):
+        target = left / remaining
+        group, size = [params[i]], params[i].numel()
+        i += 1
+        while i < len(params) - (remaining - 1) and (
+                remaining == 1 or size + params[i].numel() - target <= target - size):
+            group.append(params[i])
+            size += params[i].numel()
+            i += 1
+        groups.append(group)
+        left -= size
+    return groups
+
+
 def run_ds_steps(engine, batch: dict[str, Any], size: int, job: dict[str, Any], sync) -> dict[str, Any]:
-    """The user's loop: forward, engine.backward, engine.step, timed between syncs; then the split's detail."""
+    """The user's loop: forward, engine.backward, engine.step, timed between syncs; then the split's detail.
+    With accumulation a step is `gradient_accumulation_steps` such micro-steps (engine.step after every
+    backward, as DeepSpeed wants; it steps the optimizer at the last), timed as one; its loss their mean."""
     split = EngineSplit(engine, sync, detail_from=None)
+    accum = job.get("grad_accum", 1)  # gradient_accumulation_steps in the engine's config
     losses: list[float] = []
 
     def one_step() -> bool:
         sync()
-        loss = engine(**batch).loss
-        engine.backward(loss)
-        engine.step()
+        total = 0.0
+        for _ in range(accum):
+            loss = engine(**batch).loss
+            engine.backward(loss)
+            engine.step()
+            total = total + loss.detach().float()
         sync()
-        losses.append(float(loss))
+        losses.append(float(total) / accum)
         return split.skipped[-1]
 
     def before_extra() -> None:
@@ -991,7 +1219,7 @@ def run_ds_steps(engine, batch: dict[str, Any], size: int, job: dict[str, Any], 
         times, skipped, first, last = run_steps(one_step, job, before_extra)
     finally:
         split.restore()
-    return {**summarise(times[first:last], skipped[first:last], size), "warmup_used": first,
+    return {**summarise(times[first:last], skipped[first:last], size * accum), "warmup_used": first,
             "skipped_steps": sum(skipped), **split.fields(first, last), **loss_fields(losses)}
 
 

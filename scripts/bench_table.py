@@ -38,13 +38,27 @@ def _num(value: Any, fmt: str) -> str:
 
 def _setup(rec: dict[str, Any]) -> tuple:
     return (rec.get("model"), rec.get("params"), rec.get("precision"), rec.get("src_len"), rec.get("tgt_len"),
-            rec.get("gpu"), rec.get("activation_checkpointing"))
+            rec.get("seq_len"), rec.get("gpu"), rec.get("activation_checkpointing"))
+
+
+def tool_cell(rec: dict[str, Any]) -> str:
+    groups = rec.get("ds_param_groups") or 1
+    return f"{rec.get('tool')}{f' ({groups} groups)' if groups > 1 else ''}"
+
+
+def batch_cell(rec: dict[str, Any]) -> str:
+    """The micro-batch, and with accumulation the micro-batches per step and the sequences they make."""
+    accum = rec.get("grad_accum") or 1
+    size = rec.get("batch_size")
+    return f"{size} x {accum} = {size * accum}" if accum > 1 and isinstance(size, int) else str(size)
 
 
 def result_cell(rec: dict[str, Any]) -> str:
     """What happened, when it is not a plain timing: OOM, error, the auto-find outcome, skipped steps."""
     if rec.get("error"):
-        return "error: " + str(rec["error"]).splitlines()[0][:120]
+        seen = rec.get("peak_host_gib_last_seen")
+        return "error: " + str(rec["error"]).splitlines()[0][:120] + (
+            f" (host RSS {seen:.1f} GiB {rec.get('last_seen_s', 0):.0f} s in)" if seen is not None else "")
     if rec.get("oom"):
         return "OOM" + (f" ({rec['note']})" if rec.get("note") else "")
     notes = []
@@ -58,27 +72,33 @@ def result_cell(rec: dict[str, Any]) -> str:
 
 
 def render(records: list[dict[str, Any]]) -> str:
-    """Markdown: one table per setup (model, precision, lengths, GPU), then the step split where recorded."""
+    """Markdown: one table per setup (model, precision, lengths, GPU), then the step split where recorded.
+    A causal LM's table also has tokens/s and the GPU peak of the engine's init."""
     if not records:
         return "(no records)"
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for rec in records:
         groups.setdefault(_setup(rec), []).append(rec)
     parts = []
-    for (model, params, precision, src, tgt, gpu, ckpt), recs in groups.items():
+    for (model, params, precision, src, tgt, seq, gpu, ckpt), recs in groups.items():
         size = f", {params / 1e9:.3f}B params" if params else ""
         dates = sorted({r.get("date") for r in recs if r.get("date")})
-        parts.append(f"**{model}**{size}, {precision}, src/tgt {src}/{tgt}, "
+        lengths = f"seq {seq}" if seq else f"src/tgt {src}/{tgt}"
+        parts.append(f"**{model}**{size}, {precision}, {lengths}, "
                      f"activation checkpointing {'on' if ckpt else 'off'}, on {gpu} ({', '.join(dates)})\n")
-        parts.append("| tool | cap GiB | micro-batch | s/step (min–max) | samples/s | peak GPU GiB | peak host GiB "
-                     "| init s | result |")
-        parts.append("|---|---|---|---|---|---|---|---|---|")
+        causal = bool(seq)
+        parts.append("| tool | cap GiB | micro-batch | s/step (min–max) | samples/s "
+                     f"{'| tokens/s ' if causal else ''}| peak GPU GiB {'| GPU init GiB ' if causal else ''}"
+                     "| peak host GiB | init s | result |")
+        parts.append("|---" * (11 if causal else 9) + "|")
         for r in recs:
             spread = r.get("step_s_spread")
             step = _num(r.get("step_s"), ".3f") + (f" ({spread[0]:.2f}–{spread[1]:.2f})" if spread else "")
-            parts.append(f"| {r.get('tool')} | {_num(r.get('cap_gib'), 'g') if r.get('cap_gib') else 'none'} "
-                         f"| {r.get('batch_size')} | {step} | {_num(r.get('samples_per_s'), '.1f')} "
-                         f"| {_num(r.get('peak_gpu_gib'), '.2f')} | {_num(r.get('peak_host_gib'), '.1f')} "
+            tokens = f"| {_num(r.get('tokens_per_s'), ',.0f')} " if causal else ""
+            init_peak = f"| {_num(r.get('peak_gpu_init_gib'), '.2f')} " if causal else ""
+            parts.append(f"| {tool_cell(r)} | {_num(r.get('cap_gib'), 'g') if r.get('cap_gib') else 'none'} "
+                         f"| {batch_cell(r)} | {step} | {_num(r.get('samples_per_s'), '.1f')} {tokens}"
+                         f"| {_num(r.get('peak_gpu_gib'), '.2f')} {init_peak}| {_num(r.get('peak_host_gib'), '.1f')} "
                          f"| {_num(r.get('init_s'), '.1f')} | {result_cell(r)} |")
         parts.append("")
         split = [r for r in recs if r.get("split") or r.get("split_detail")]
@@ -97,7 +117,7 @@ def split_table(recs: list[dict[str, Any]]) -> str:
     rows = ["| " + " | ".join(h.replace("_s", "") for h in head) + " |", "|" + "---|" * len(head)]
     for r in recs:
         coarse, fine = r.get("split") or {}, r.get("split_detail") or {}
-        cells = [str(r.get("tool")), str(r.get("batch_size"))]
+        cells = [tool_cell(r), batch_cell(r)]
         cells += [_num(coarse.get(k), ".3f") for k in (*SPLIT_KEYS, *update)]
         cells += [_num(fine.get(k), ".3f") for k in detail]
         rows.append("| " + " | ".join(cells) + " |")

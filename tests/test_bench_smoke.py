@@ -2,7 +2,8 @@
 
 Its numbers only count on the GPU; here we prove the plumbing: every tool builds the same model on the
 same data, each run is its own process, records carry the promised fields with sane values, the
-results file survives a child that times out, and an out-of-memory size stops larger ones.
+results file survives a child that times out or is killed, and an out-of-memory size stops larger ones.
+A causal LM runs with its --seq-len, gradient accumulation and the stock loop's parameter groups.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import math
 import os
 import re
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -36,8 +38,8 @@ SMOKE = ["--device", "cpu", "--batch-sizes", "2", "--steps", "2", "--warmup", "1
          "--src-len", "16", "--tgt-len", "16"]
 
 
-def _run(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
-    env = dict(os.environ)
+def _run(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ)  # the timeout is generous: on a shared 2-core box a child's imports alone can take 40 s
     # One OpenMP thread: on a shared 2-core box two spinning threads make a tiny model's step 100x slower.
     env.setdefault("OMP_NUM_THREADS", "1")
     env.setdefault("TORCH_EXTENSIONS_DIR", "/root/.cache/fitone/torch_extensions")
@@ -61,8 +63,10 @@ def test_every_tool_writes_a_record_with_the_promised_fields(smoke):
         missing = [f for f in bench.FIELDS if f not in r]
         assert not missing, (r["tool"], missing)
         assert r["error"] is None and r["oom"] is False, r
-        setup = (r["model"], r["precision"], r["batch_size"], r["src_len"], r["tgt_len"])
-        assert setup == ("t5-tiny", "fp32", 2, 16, 16)
+        setup = (r["model"], r["precision"], r["batch_size"], r["src_len"], r["tgt_len"], r["seq_len"])
+        assert setup == ("t5-tiny", "fp32", 2, 16, 16, None)
+        assert r["grad_accum"] == 1
+        assert r["tokens_per_s"] == pytest.approx(r["samples_per_s"] * (16 + 16), rel=1e-3)  # source + target
         assert r["gpu"] == "cpu" and r["cap_gib"] is None and r["date"]
         assert "--device cpu" in r["command"] and r["command"].startswith("python ")
 
@@ -214,3 +218,110 @@ def test_default_results_name_is_date_and_gpu(tmp_path):
     assert bench.resolve_out(None, "NVIDIA H200", "2026-11-29") == ROOT / "bench/results/2026-11-29-nvidia-h200.json"
     assert bench.resolve_out(str(tmp_path), "NVIDIA H200", "2026-11-29") == tmp_path / "2026-11-29-nvidia-h200.json"
     assert bench.resolve_out(str(tmp_path / "x.json"), "cpu", "2026-11-29") == tmp_path / "x.json"
+
+
+CAUSAL = ["--model", "gpt2-tiny", "--device", "cpu", "--precision", "bf16", "--seq-len", "16", "--grad-accum", "2",
+          "--ds-param-groups", "2", "--batch-sizes", "2", "--steps", "2", "--warmup", "1", "--split-steps", "1"]
+
+
+@pytest.fixture(scope="module")
+def causal(tmp_path_factory):
+    """fitone and the stock DeepSpeed loop on a causal LM, 2 micro-batches of 2 x 16 tokens a step."""
+    out = tmp_path_factory.mktemp("causal") / "results.json"
+    proc = _run(["--tools", "fitone,deepspeed", *CAUSAL, "--out", str(out)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_a_causal_lm_runs_at_its_seq_len_with_accumulation(causal):
+    records, _ = causal
+    assert [r["tool"] for r in records] == ["fitone", "deepspeed"]
+    for r in records:
+        missing = [f for f in bench.FIELDS if f not in r]
+        assert not missing, (r["tool"], missing)
+        assert r["error"] is None and r["oom"] is False, r
+        assert (r["model"], r["precision"], r["seq_len"], r["src_len"], r["tgt_len"]) == ("gpt2-tiny", "bf16", 16,
+                                                                                          None, None)
+        assert (r["batch_size"], r["grad_accum"]) == (2, 2)
+        assert len(r["step_times"]) == 2 and math.isfinite(r["loss_last"])
+        # a step is 2 micro-batches of 2: samples/s and tokens/s count all 4 sequences of 16 tokens
+        assert r["samples_per_s"] == pytest.approx(4 / r["step_s"], rel=0.01)
+        assert r["tokens_per_s"] == pytest.approx(r["samples_per_s"] * 16, rel=1e-3)
+
+
+def test_the_split_adds_up_every_micro_batch_of_a_step(causal):
+    """forward/backward/optimizer are summed over the step's micro-batches, so they make up the step; counted
+    per micro-batch they would be about half of it."""
+    records, _ = causal
+    for r in records:
+        parts = sum(r["split"][k] for k in ("forward_s", "backward_s", "optimizer_s"))
+        assert 0.7 * r["step_s_spread"][0] <= parts <= 1.5 * r["step_s_spread"][1], (r["tool"], parts, r["step_s"])
+        assert r["split_detail"]["cpu_adam_s"] > 0  # the detail step is a whole optimizer step too
+
+
+def test_the_stock_loop_hands_deepspeed_the_parameter_groups(causal):
+    records, stdout = causal
+    fitone, stock = records
+    assert stock["ds_param_groups"] == 2 and "ds_param_groups" not in fitone
+    sizes = stock["ds_param_group_sizes"]
+    assert len(sizes) == 2 and min(sizes) > 0 and sum(sizes) == stock["params"]
+    # fitone's own init peak is recorded where its Engine counts one (None until then); the harness's reading
+    assert "engine_init_peak_gpu_gib" in fitone and fitone["peak_gpu_init_gib"] == 0  # no GPU here
+    assert "| deepspeed (2 groups) | none | 2 x 2 = 4 |" in stdout
+    assert "seq 16" in stdout and "| tokens/s |" in stdout
+
+
+def test_param_groups_are_consecutive_and_about_equal():
+    """llama-7b's parameters in 16 groups, the reference the 7B speed bar compares against."""
+    from fitone.models import build_model, load_config
+
+    params = list(build_model(load_config("llama-7b", from_scratch=True), meta=True).parameters())
+    groups = bench.split_param_groups(params, 16)
+    assert len(groups) == 16 and [p for g in groups for p in g] == params  # every parameter once, in order
+    sizes = [sum(p.numel() for p in g) for g in groups]
+    assert max(sizes) <= 1.15 * min(sizes), sizes
+    assert [len(g) for g in bench.split_param_groups(params[:3], 16)] == [1, 1, 1]  # never an empty group
+
+
+def test_the_new_options_are_planned_and_checked():
+    args = bench.parse_args(["--model", "llama-7b", "--precision", "bf16", "--seq-len", "512", "--batch-sizes", "8",
+                             "--tools", "fitone,deepspeed", "--ds-param-groups", "16", "--grad-accum", "1,4"])
+    jobs = [(j["tool"], j["sizes"], j["grad_accum"], j.get("ds_param_groups"), j["seq_len"], j["task"])
+            for j in bench.plan_jobs(args)]
+    assert jobs == [("fitone", [8], 1, None, 512, "causal"), ("fitone", [8], 4, None, 512, "causal"),
+                    ("deepspeed", [8], 1, 16, 512, "causal"), ("deepspeed", [8], 4, 16, 512, "causal")]
+    from fitone.config import TrainConfig
+
+    assert bench.parse_args(["--model", "gpt2-tiny", "--device", "cpu"]).seq_len == 512  # fitone's default
+    # the parent keeps fitone's length defaults itself (importing fitone there costs tens of seconds)
+    assert bench.LENGTHS == {k: TrainConfig.__dataclass_fields__[k].default for k in bench.LENGTHS}
+    t5 = bench.parse_args([])
+    assert (t5.model, t5.src_len, t5.tgt_len, t5.grad_accum, t5.ds_param_groups) == ("t5-3b", 128, 128, [1], 1)
+    for bad in (["--seq-len", "64"],  # t5-3b is seq2seq
+                ["--model", "gpt2-tiny", "--src-len", "64"],
+                ["--grad-accum", "4"],  # the default tools include HF Trainer and plain PyTorch
+                ["--tools", "deepspeed", "--ds-param-groups", "0"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+
+
+def test_a_child_killed_by_the_kernel_leaves_a_record_saying_so(tmp_path, monkeypatch):
+    """A host-RAM OOM kill cannot be caused safely here, so the child is a stand-in that reports its phase
+    and a heartbeat the way the real child does, then dies of SIGKILL as the kernel's OOM killer does it."""
+    fake = tmp_path / "child.sh"
+    fake.write_text("#!/bin/sh\n"
+                    "echo 'BENCH_PARTIAL {\"phase\": \"engine init\", \"params\": 123}'\n"
+                    "echo 'BENCH_PARTIAL {\"peak_host_gib_last_seen\": 101.5, \"last_seen_s\": 30.0}'\n"
+                    "kill -9 $$\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setattr(bench.sys, "executable", str(fake))  # run_job starts [sys.executable, script, ...]
+    out = tmp_path / "r.json"
+    args = bench.parse_args(["--tools", "deepspeed", *CAUSAL, "--out", str(out)])
+    ctx = {"gpu": "cpu", "date": "2026-01-01", "command": "x"}
+    new, interrupted = bench.run_jobs(bench.plan_jobs(args), ctx, out, None, budget=None)
+    (rec,) = json.loads(out.read_text())
+    assert rec == new[0] and not interrupted
+    assert rec["error"] == "exit code -9 (killed without a traceback: host RAM ran out?) during engine init"
+    assert (rec["params"], rec["peak_host_gib_last_seen"], rec["step_s"]) == (123, 101.5, None)
+    assert (rec["grad_accum"], rec["seq_len"], rec["ds_param_groups"]) == (2, 16, 2)
+    assert "host RSS 101.5 GiB 30 s in" in table.render([rec])
