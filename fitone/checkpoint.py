@@ -178,7 +178,7 @@ def replay_cpu_adam_steps(adam: Any) -> None:
     The C++ optimizer keeps beta1**t and beta2**t in float32 and advances them by one multiplication per
     step; a fresh one (after a resume at step N) computes pow(beta, N + 1) instead, which differs in the
     last bits, and the runs drift apart from there. Replaying steps 1..N through `adam_update` on empty
-    tensors repeats the same multiplications and touches no weights or moments (about a microsecond a step).
+    tensors repeats the same multiplications and touches no weights or moments (no tensor work at all).
     Any other optimizer (PyTorch's Adam, the fused GPU ones) derives the powers from the step count: no-op.
     """
     if adam is None or not hasattr(adam, "ds_opt_adam") or not hasattr(adam, "opt_id"):
