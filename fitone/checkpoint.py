@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from fitone.errors import RunDirError
@@ -53,7 +54,9 @@ def read_state(ckpt: Path) -> dict[str, Any]:
 
 
 def rng_state() -> dict[str, Any]:
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state(),
+                             "numpy": [kind, keys.tolist(), pos, has_gauss, gauss]}  # plain types for torch.load
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -63,6 +66,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
     if not state:
         return
     random.setstate(state["python"])
+    if "numpy" in state:  # checkpoints written before it was saved lack it
+        kind, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -162,4 +168,31 @@ def load(engine, ckpt: Path) -> dict[str, Any]:
                           "its settings; resume with the options it was written with, or start over in another --out"
                           ) from exc
     set_rng_state(client.get("rng", {}))
+    replay_cpu_adam_steps(getattr(engine.optimizer, "optimizer", None))
     return read_state(ckpt)
+
+
+def replay_cpu_adam_steps(adam: Any) -> None:
+    """Bring DeepSpeedCPUAdam's C++ bias-correction powers to where the uninterrupted run has them.
+
+    The C++ optimizer keeps beta1**t and beta2**t in float32 and advances them by one multiplication per
+    step; a fresh one (after a resume at step N) computes pow(beta, N + 1) instead, which differs in the
+    last bits, and the runs drift apart from there. Replaying steps 1..N through `adam_update` on empty
+    tensors repeats the same multiplications and touches no weights or moments (no tensor work at all).
+    Any other optimizer (PyTorch's Adam, the fused GPU ones) derives the powers from the step count: no-op.
+    """
+    if adam is None or not hasattr(adam, "ds_opt_adam") or not hasattr(adam, "opt_id"):
+        return
+    params = [(group, p) for group in adam.param_groups for p in group["params"] if "step" in adam.state.get(p, {})]
+    if not params:
+        return
+    last = max(int(adam.state[p]["step"]) for _, p in params)
+    empty = {p: (p.new_empty(0), torch.empty(0, dtype=adam.state[p]["exp_avg"].dtype)) for _, p in params}
+    for step in range(1, last + 1):  # in the order DeepSpeedCPUAdam.step calls it: each step, group by group
+        for group, p in params:
+            if int(adam.state[p]["step"]) >= step:
+                weights, moments = empty[p]
+                beta1, beta2 = group["betas"]
+                adam.ds_opt_adam.adam_update(adam.opt_id, step, group["lr"], beta1, beta2, group["eps"],
+                                             group["weight_decay"], group["bias_correction"], weights, weights,
+                                             moments, moments)

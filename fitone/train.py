@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from fitone import checkpoint, memory
@@ -34,7 +35,8 @@ from fitone.models import (CAUSAL, SEQ2SEQ, LoadedModel, check_seq_len, enable_a
 
 @dataclass
 class TrainResult:
-    """What a run did. `losses` and `step_times` have one entry per optimizer step of this call."""
+    """What a run did. `steps` is the run's optimizer steps in all, those before a resume included;
+    `losses`, `step_times` and `lrs` have one entry per step of this call (after `resumed_from`)."""
 
     steps: int
     losses: list[float]
@@ -70,7 +72,8 @@ class TrainResult:
 
     def __str__(self) -> str:
         q = ", ".join(f"{k} {v:.3f}" for k, v in self.quality.items())
-        return (f"TrainResult({self.steps} steps, loss {_first(self.losses):.4f} -> {_last(self.losses):.4f}, "
+        resumed = f" (resumed at {self.resumed_from})" if self.resumed_from is not None else ""
+        return (f"TrainResult({self.steps} steps{resumed}, loss {_first(self.losses):.4f} -> {_last(self.losses):.4f}, "
                 f"{self.samples_per_s or 0:.1f} samples/s, peak GPU {gib(self.peak_gpu_bytes):.1f} GiB, "
                 f"host {gib(self.peak_host_rss_bytes):.1f} GiB{', ' + q if q else ''})")
 
@@ -314,7 +317,7 @@ class Trainer:
         quality = self._score(evals)
         steady = times[1:] or times  # the first step includes lazy allocations and warm-up
         return TrainResult(
-            steps=len(losses), losses=losses, step_times=times,
+            steps=self.state["step"], losses=losses, step_times=times,
             samples_per_s=samples_per_step / statistics.median(steady) if steady else None,
             peak_gpu_bytes=memory.gpu_peak_bytes(), peak_host_rss_bytes=peak_rss,
             init_s=engine.init_s, wall_s=time.perf_counter() - self.started, micro_batch=self.micro_batch,
@@ -538,6 +541,7 @@ class Trainer:
 
 def _seed(seed: int) -> None:
     random.seed(seed)
+    np.random.seed(seed)  # fitone draws none, but a model's or user's code may; checkpoints restore it
     torch.manual_seed(seed)  # also every CUDA device
 
 

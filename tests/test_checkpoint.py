@@ -64,7 +64,7 @@ def test_sigkill_during_a_save_keeps_the_last_complete_checkpoint_and_resume_use
 
     resumed = fitone.train(cpu_config(batch_size=4, max_steps=3, save_every=1, keep_checkpoints=2, out=str(out),
                                       resume=True))
-    assert resumed.resumed_from == 1 and resumed.steps == 2
+    assert resumed.resumed_from == 1 and resumed.steps == 3 and len(resumed.losses) == 2
     assert not leftover.exists()  # cleaned on resume
     assert [p.name for p in checkpoint.complete_checkpoints(out)] == ["step-00000002", "step-00000003"]  # keep 2
     assert not list(root.glob(".tmp-*"))

@@ -91,7 +91,7 @@ def test_sigterm_checkpoints_says_how_to_resume_and_resume_continues(tmp_path):
     assert metric_steps(out)[-1] == step  # the step in flight was finished, not dropped
 
     resumed = fitone.train(cpu_config(batch_size=4, out=str(out), resume=True, max_steps=step + 2, save_every=1000))
-    assert resumed.resumed_from == step and resumed.steps == 2
+    assert resumed.resumed_from == step and resumed.steps == step + 2 and len(resumed.losses) == 2
     assert metric_steps(out) == list(range(1, step + 3))
 
 
@@ -116,7 +116,7 @@ def test_second_ctrl_c_during_the_save_exits_at_once_and_corrupts_nothing(tmp_pa
 
     monkeypatch.undo()
     resumed = fitone.train(cpu_config(batch_size=4, out=str(out), resume=True, max_steps=2, save_every=1))
-    assert resumed.resumed_from == 1 and resumed.steps == 1
+    assert resumed.resumed_from == 1 and resumed.steps == 2 and len(resumed.losses) == 1
     assert not list((out / "checkpoints").glob(".tmp-*"))
 
 
@@ -157,7 +157,7 @@ def test_resume_after_a_stop_matches_the_uninterrupted_run_step_for_step(case, t
     monkeypatch.undo()
     resumed = fitone.train(cpu_config(**common, out=str(out), save_every=100, resume=True))
 
-    assert resumed.resumed_from == 4 and resumed.steps == 4
+    assert resumed.resumed_from == 4 and resumed.steps == 8 and len(resumed.losses) == 4
     assert resumed.lrs == pytest.approx(straight.lrs[4:], rel=1e-12)
     assert resumed.losses == pytest.approx(straight.losses[4:], rel=1e-5)
     logged = read_metrics(out)
@@ -240,7 +240,7 @@ def test_gpu_oom_mid_run_names_the_batch_and_keeps_the_checkpoint(tmp_path, monk
 
     monkeypatch.undo()  # the advice works: a lower --batch-size resumes from that checkpoint
     resumed = fitone.train(cpu_config(batch_size=2, out=str(out), resume=True, max_steps=3, save_every=1))
-    assert resumed.resumed_from == 2 and resumed.steps == 1 and resumed.micro_batch == 2
+    assert resumed.resumed_from == 2 and resumed.steps == 3 and len(resumed.losses) == 1 and resumed.micro_batch == 2
 
 
 def test_a_lower_batch_size_on_resume_continues_at_the_same_example():

@@ -210,7 +210,7 @@ def test_resume_continues_the_uninterrupted_curve(tmp_path):
     assert first.losses == pytest.approx(straight.losses[:10], rel=1e-5)
     resumed = fitone.train(cpu_config(**common, out=str(out), resume=True, save_every=10))
     assert resumed.resumed_from == 10
-    assert resumed.steps == 10
+    assert resumed.steps == 20 and len(resumed.losses) == 10  # the run's steps; this call's losses
     assert resumed.losses == pytest.approx(straight.losses[10:], rel=1e-5, abs=1e-6)
     steps = [int(__import__("json").loads(l)["step"]) for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 21))
