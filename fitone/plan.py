@@ -7,8 +7,8 @@ what autograd saves, counted tensor by tensor for T5, GPT-2 and Llama-style mode
 t5-3b fp16, 128/128, checkpointing on, measured 6.7 / 9.3 / 12.3 / 18.3 GiB peak at micro-batch
 8 / 64 / 128 / 256 and 16.7 GiB at 8 without checkpointing; host RSS 63.4 GiB.
 
-`plan()` answers "will it fit, and how big a micro-batch"; `preflight()` is the host-RAM check that
-`fitone train` and `fitone probe-batch` run before building an engine.
+`plan()` answers "will it fit, and how big a micro-batch"; `preflight()` is the check (host RAM, and the
+GPU at micro-batch 1) that `fitone train` and `fitone probe-batch` run from the config before allocating.
 """
 
 from __future__ import annotations
@@ -629,8 +629,9 @@ def host_micro_batch_bound(cfg: TrainConfig) -> int:
     """The largest micro-batch whose run the plan fits in available host RAM (0: not even 1). On a CPU,
     where nothing runs out of memory the way a GPU does, this is what bounds a batch-size search."""
     on_gpu = _runs_on_gpu(cfg)
+    one_step = cfg.replace(global_batch=None, grad_accum=None)  # as a probe runs: every step an optimizer step
     return _largest_batch(
-        lambda b: _host_need(p := _preflight_plan(cfg, b, 1, on_gpu), on_gpu) <= p.host_available, 64)
+        lambda b: _host_need(p := _preflight_plan(one_step, b, 1, on_gpu), on_gpu) <= p.host_available, 64)
 
 
 def _runs_on_gpu(cfg: TrainConfig) -> bool:
