@@ -72,8 +72,9 @@ def probe_batch(
     Takes the same options as `train` (a TrainConfig and/or its fields). A saved result for the same
     memory-deciding settings and the same search settings is reused unless `use_cache=False`; a new
     result is always saved. `max_batch` defaults to 4096 on a GPU; on the CPU it must be given (see the
-    module's docstring) and the plan's host RAM bounds it. `on_model` is called with the probe's model before the engine is built (tests
-    use it to add hooks); its effect is saved like any result, so point FITONE_CACHE_DIR elsewhere.
+    module's docstring) and the plan's host RAM bounds it. `on_model` is called with the probe's model
+    before the engine is built (tests use it to add hooks); its effect is saved like any result, so point
+    FITONE_CACHE_DIR elsewhere.
     `wall_s` covers everything from the call: model build, engine init, the search and teardown.
     """
     began = time.perf_counter()
@@ -87,8 +88,8 @@ def probe_batch(
         from fitone.plan import preflight
 
         preflight(cfg, micro_batch=1, world_size=1)
-    prepare(cfg)
     max_batch = _search_ceiling(cfg, device, max_batch, say)
+    prepare(cfg)
     key = probe_key(cfg, config, device)
     search = {"max_batch": max_batch, "max_trials": max_trials, "margin": margin, "verify_steps": verify_steps}
     cached = (read_cached(key, search) or read_cached(capped_key(key), search)) if use_cache else None

@@ -394,9 +394,11 @@ def test_on_the_cpu_a_probe_without_a_ceiling_is_refused_before_building_anythin
 def test_on_the_cpu_the_search_stops_at_the_plans_host_ram_bound(monkeypatch):
     """Fakes only the reading of host RAM: just enough for micro-batch 5 by the plan's count."""
     from fitone import memory
+    from fitone.plan import preflight
 
     cfg = probe_config()
-    need = {b: (lambda p: p.host_total + p.gpu_allocated)(probe_run_plan(cfg, b)) for b in (5, 6)}
+    plans = {b: preflight(cfg, micro_batch=b) for b in (5, 6)}  # a CPU run keeps its "GPU" side in host RAM too
+    need = {b: p.host_total + p.gpu_allocated for b, p in plans.items()}
     monkeypatch.setattr(memory, "host_rss_bytes", lambda: 0)
     monkeypatch.setattr(memory, "host_available_bytes", lambda: (need[5] + need[6]) // 2)
     lines: list[str] = []
@@ -405,12 +407,6 @@ def test_on_the_cpu_the_search_stops_at_the_plans_host_ram_bound(monkeypatch):
     assert any(f"the search stops at micro-batch 5, the largest the plan fits in host RAM (max_batch was {CAP})"
                in line for line in lines)
     assert result.meta["capped"]  # no size ran out of memory: the bound, not a measured limit
-
-
-def probe_run_plan(cfg, micro_batch: int):
-    from fitone.plan import preflight
-
-    return preflight(cfg, micro_batch=micro_batch)
 
 
 def test_a_capped_probe_is_never_reused_as_a_probe_of_the_card(cache_root):
