@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+from pathlib import Path
 
 import psutil
 import torch
@@ -106,12 +107,76 @@ def host_rss_bytes() -> int:
 
 
 def host_available_bytes() -> int:
-    return psutil.virtual_memory().available
+    """RAM this process can still take: the machine's available memory, or less where a container's
+    cgroup limit leaves less (its OOM killer acts at the limit, whatever the machine has free)."""
+    free = psutil.virtual_memory().available
+    container = cgroup_memory()
+    return free if container is None else min(free, max(0, container[0] - container[1]))
 
 
 def host_total_bytes() -> int:
-    return psutil.virtual_memory().total
+    total = psutil.virtual_memory().total
+    container = cgroup_memory()
+    return total if container is None else min(total, container[0])
 
 
 def host_used_fraction() -> float:
-    return psutil.virtual_memory().percent / 100.0
+    used = psutil.virtual_memory().percent / 100.0
+    container = cgroup_memory()
+    return used if container is None else max(used, container[1] / container[0])
+
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_CGROUP = Path("/proc/self/cgroup")
+# (limit file, usage file, reclaimable page cache in memory.stat) for cgroup v2 and v1
+_CGROUP_FILES = (("memory.max", "memory.current", "inactive_file"),
+                 ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"))
+
+
+def cgroup_memory(root: Path | None = None, proc: Path | None = None) -> tuple[int, int] | None:
+    """(limit, used) bytes of the tightest cgroup memory limit on this process, or None when there is
+    none below the machine's RAM. `used` leaves out inactive page cache, which the kernel reclaims before
+    it kills (as `docker stats` counts). Reads cgroup v2 (memory.max) and v1 (memory.limit_in_bytes),
+    from this process's own group up to the root, since a parent's limit binds the children too."""
+    root, proc = root or CGROUP_ROOT, proc or PROC_CGROUP
+    try:
+        lines = proc.read_text().splitlines()
+    except OSError:
+        return None
+    machine = psutil.virtual_memory().total
+    best: tuple[int, int] | None = None
+    for line in lines:
+        _id, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "":  # v2: one unified hierarchy
+            base, files = root, _CGROUP_FILES[0]
+        elif "memory" in controllers.split(","):
+            base, files = root / "memory", _CGROUP_FILES[1]
+        else:
+            continue
+        for folder in _ancestors(base, path.strip()):
+            found = _read_limit(folder, *files)
+            if found is not None and found[0] < machine and (best is None or found[0] < best[0]):
+                best = found
+    return best
+
+
+def _ancestors(base: Path, path: str) -> list[Path]:
+    """The group's folder and each parent up to `base` (inside a container the path may not exist)."""
+    parts = [p for p in path.split("/") if p]
+    return [base.joinpath(*parts[:i]) for i in range(len(parts), -1, -1)]
+
+
+def _read_limit(folder: Path, limit_file: str, usage_file: str, inactive_key: str) -> tuple[int, int] | None:
+    try:
+        text = (folder / limit_file).read_text().strip()
+        if text == "max":
+            return None
+        limit, used = int(text), int((folder / usage_file).read_text().strip())
+    except (OSError, ValueError):
+        return None
+    try:
+        stat = dict(line.split() for line in (folder / "memory.stat").read_text().splitlines() if " " in line)
+        used -= int(stat.get(inactive_key, 0))
+    except (OSError, ValueError):
+        pass
+    return limit, max(0, used)

@@ -7,8 +7,8 @@ what autograd saves, counted tensor by tensor for T5, GPT-2 and Llama-style mode
 t5-3b fp16, 128/128, checkpointing on, measured 6.7 / 9.3 / 12.3 / 18.3 GiB peak at micro-batch
 8 / 64 / 128 / 256 and 16.7 GiB at 8 without checkpointing; host RSS 63.4 GiB.
 
-`plan()` answers "will it fit, and how big a micro-batch"; `preflight()` is the host-RAM check that
-`fitone train` and `fitone probe-batch` run before building an engine.
+`plan()` answers "will it fit, and how big a micro-batch"; `preflight()` is the check (host RAM, and the
+GPU at micro-batch 1) that `fitone train` and `fitone probe-batch` run from the config before allocating.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import math
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -103,7 +104,10 @@ def _model_shape(name: str, from_scratch: bool) -> tuple[ModelShape, tuple[str, 
         notes.append(f"{name}: planned from fitone's shipped config (no weights needed)")
     else:
         config = load_config(name, from_scratch=from_scratch)
-    model = build_model(config, meta=True)
+    from transformers.initialization import no_init_weights
+
+    with no_init_weights():  # shapes only: initialising billions of meta weights still costs seconds of CPU
+        model = build_model(config, meta=True)
     numels = tuple(p.numel() for p in model.parameters())  # parameters() yields tied weights once
 
     mtype = getattr(config, "model_type", "") or ""
@@ -578,14 +582,13 @@ def plan(
 
 
 def preflight(cfg: TrainConfig, *, micro_batch: int, world_size: int = 1) -> Plan:
-    """The host-RAM check to run before building an engine: raise MemoryBudgetError (exit 2) when the
-    offloaded states cannot fit in available RAM, instead of the kernel's OOM killer minutes later."""
-    on_gpu = cfg.device == "cuda" or (cfg.device == "auto" and memory.cuda_ready())
-    limit, source = _gpu_limit(cfg, None) if on_gpu else (None, "no GPU: not checked")
-    p = _make_plan(cfg.replace(batch_size=micro_batch), gpus=world_size, gpu_limit=limit,
-                   gpu_limit_source=source or "", host_available=_host_available(None), on_gpu=on_gpu)
-    # on a CPU run the "GPU" side (weights, buckets, activations) lives in host RAM too
-    need = p.host_total + (0 if on_gpu else world_size * p.gpu_allocated)
+    """The refusals the plan can make from the config alone, run before any weights, probe or engine
+    exist: raise MemoryBudgetError (one line, exit 2) when host RAM cannot hold the run, or when the GPU
+    cannot hold it even at micro-batch 1 (weights, states, buffers; the plan's verdict at size 1),
+    instead of the kernel's OOM killer or a CUDA OOM inside DeepSpeed minutes later."""
+    on_gpu = _runs_on_gpu(cfg)
+    p = _preflight_plan(cfg, micro_batch, world_size, on_gpu)
+    need = _host_need(p, on_gpu)
     if need > p.host_available:
         fixes = ["a machine with more host RAM"]
         if p.offload and p.gpu_limit is not None and p.gpu_total_without_offload <= p.gpu_limit:
@@ -596,10 +599,81 @@ def preflight(cfg: TrainConfig, *, micro_batch: int, world_size: int = 1) -> Pla
         fixes.append("a smaller model")
         raise MemoryBudgetError(
             f"host RAM too small: this run needs {_g(need):.1f} GiB ({_g(p.host_states):.1f} GiB of offloaded "
-            f"states per rank + baseline) but {_g(p.host_available):.1f} GiB is available, "
-            f"{_g(need - p.host_available):.1f} GiB short; use {', or '.join(fixes)}"
+            f"states per rank + baseline{'' if on_gpu else ' + the model, buckets and activations a CPU run keeps there'}"
+            f") but {_g(p.host_available):.1f} GiB is available, {_g(need - p.host_available):.1f} GiB short; "
+            f"use {', or '.join(fixes)}"
         )
+    if p.gpu_limit is not None:
+        # the plan's verdict at the smallest micro-batch: whatever it counts (weights, buckets, optimizer
+        # states, init peak) must fit before a probe or the user's batch size can matter
+        at_one = p if micro_batch == 1 else _preflight_plan(cfg, 1, world_size, on_gpu)
+        if "GPU" in at_one.short:
+            fixes = []
+            if not at_one.offload and at_one.verdict == FITS_WITH_OFFLOAD:
+                fixes.append("--offload cpu (the optimizer states move to host RAM)")
+            if not at_one.activation_checkpointing:
+                fixes.append("--activation-checkpointing")
+            if cfg.max_gpu_memory:
+                fixes.append("a larger --max-gpu-memory")
+            fixes += ["a GPU with more memory", "a smaller model"]
+            raise MemoryBudgetError(
+                f"does not fit on the GPU even at micro-batch 1: the plan needs {_g(at_one.gpu_total):.1f} GiB "
+                f"({_g(at_one.by_category('gpu')['weights']):.1f} GiB of weights) of {_g(at_one.gpu_limit):.1f} GiB "
+                f"({at_one.gpu_limit_source}), {_g(at_one.short['GPU']):.1f} GiB short; use {', or '.join(fixes)} "
+                "(`fitone plan` shows where the memory goes; --no-preflight tries anyway)"
+            )
     return p
+
+
+def host_micro_batch_bound(cfg: TrainConfig) -> int:
+    """The largest micro-batch whose run the plan fits in available host RAM (0: not even 1). On a CPU,
+    where nothing runs out of memory the way a GPU does, this is what bounds a batch-size search."""
+    on_gpu = _runs_on_gpu(cfg)
+    one_step = cfg.replace(global_batch=None, grad_accum=None)  # as a probe runs: every step an optimizer step
+    return _largest_batch(
+        lambda b: _host_need(p := _preflight_plan(one_step, b, 1, on_gpu), on_gpu) <= p.host_available, 64)
+
+
+def _runs_on_gpu(cfg: TrainConfig) -> bool:
+    return cfg.device == "cuda" or (cfg.device == "auto" and memory.cuda_ready())
+
+
+def _preflight_plan(cfg: TrainConfig, micro_batch: int, world_size: int, on_gpu: bool) -> Plan:
+    limit, source = _gpu_limit(cfg, None) if on_gpu else (None, "no GPU: not checked")
+    return _make_plan(cfg.replace(batch_size=micro_batch), gpus=world_size, gpu_limit=limit,
+                      gpu_limit_source=source or "", host_available=_host_available(None), on_gpu=on_gpu)
+
+
+def _host_need(p: Plan, on_gpu: bool) -> int:
+    # on a CPU run the "GPU" side (weights, buckets, activations) lives in host RAM too
+    return p.host_total + (0 if on_gpu else p.gpus * p.gpu_allocated)
+
+
+# what to change when memory runs out in a phase the pre-flight passed (it did not foresee the failure)
+PHASE_FIXES = {
+    "model build": "the weights did not fit where they were built (host RAM for training, the GPU for a probe): "
+                   "free memory there, use a machine with more, or a smaller model",
+    "engine init": "DeepSpeed could not place the weights, gradient buckets and optimizer states before the first "
+                   "step: use --offload cpu (if it is off), a larger --max-gpu-memory, a smaller reduce_bucket_size "
+                   "in a --ds-config file, a GPU with more memory, or a smaller model; `fitone plan` shows where "
+                   "the memory goes",
+}
+
+
+@contextlib.contextmanager
+def unforeseen_oom(phase: str, *, verbose: bool = False) -> Iterator[None]:
+    """Turn an out-of-memory error in `phase` (a key of PHASE_FIXES) that the pre-flight did not foresee
+    into one line naming the phase and the fix (MemoryBudgetError, exit 2); with `verbose` the CLI also
+    prints the traceback."""
+    try:
+        yield
+    except Exception as exc:
+        if not memory.is_oom_error(exc):
+            raise
+        err = MemoryBudgetError(f"out of memory in the {phase}, which the plan did not foresee: {PHASE_FIXES[phase]}"
+                                f"{'' if verbose else ' (--verbose shows the traceback)'}")
+        err.show_traceback = verbose
+        raise err from exc
 
 
 def _gpu_limit(cfg: TrainConfig, gpu_mem: int | str | None) -> tuple[int | None, str]:

@@ -7,7 +7,12 @@ build. The model is built from its config with random weights straight on the de
 depend on the values, and a CPU init of billions of weights takes minutes).
 
 Results are saved under ~/.cache/fitone/probes/ (or $FITONE_CACHE_DIR/probes/), keyed by everything that
-decides memory, so `fitone train --batch-size auto` reuses a probe instead of repeating it.
+decides memory, so `fitone train --batch-size auto` reuses a probe instead of repeating it. A capped probe
+(no size ran out of memory before max_batch) did not find the card's limit: it is saved under its own key
+and never reused by --batch-size auto.
+
+On a CPU nothing runs out of memory the way a GPU does, so there is no limit to search for: a probe there
+needs an explicit max_batch (the notebook's demonstration gives 8), which the plan's host RAM bounds too.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from fitone.engine import Engine, overlap_options, resolve_device, start_runtime
 from fitone.errors import ConfigError
 from fitone.models import (CAUSAL, build_model, check_seq_len, enable_activation_checkpointing, load_config,
                            load_tokenizer, task_of)
+from fitone.plan import unforeseen_oom
 from fitone.probe import ProbeResult, TrialResult, _check_arguments, search_batch_size
 
 Say = Callable[[str], None]
@@ -40,6 +46,7 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 # memory and time out of a trial; the scale holds no memory, so the probe starts it at 2^0.
 PROBE_LOSS_SCALE_POWER = 0
 NAMED_SOURCES = ("sample", "synthetic")  # not files: the probe uses every sequence at the maximum lengths
+DEFAULT_MAX_BATCH = 4096  # on a GPU, where running out of memory ends the search well before it
 
 
 # ================================================================================================
@@ -49,7 +56,7 @@ NAMED_SOURCES = ("sample", "synthetic")  # not files: the probe uses every seque
 def probe_batch(
     cfg: TrainConfig | None = None,
     *,
-    max_batch: int = 4096,
+    max_batch: int | None = None,
     max_trials: int = 16,
     margin: float = 0.05,
     verify_steps: int = 3,
@@ -64,29 +71,34 @@ def probe_batch(
 
     Takes the same options as `train` (a TrainConfig and/or its fields). A saved result for the same
     memory-deciding settings and the same search settings is reused unless `use_cache=False`; a new
-    result is always saved. `on_model` is called with the probe's model before the engine is built (tests
-    use it to add hooks); its effect is saved like any result, so point FITONE_CACHE_DIR elsewhere.
+    result is always saved. `max_batch` defaults to 4096 on a GPU; on the CPU it must be given (see the
+    module's docstring) and the plan's host RAM bounds it. `on_model` is called with the probe's model
+    before the engine is built (tests use it to add hooks); its effect is saved like any result, so point
+    FITONE_CACHE_DIR elsewhere.
     `wall_s` covers everything from the call: model build, engine init, the search and teardown.
     """
     began = time.perf_counter()
     cfg = cfg.replace(**overrides) if cfg is not None else TrainConfig(**overrides)
-    _check_arguments(max_batch=max_batch, max_trials=max_trials, margin=margin, start=1,
-                     verify_steps=verify_steps, trial_steps=1)
-    device, _ = prepare(cfg)
+    _check_arguments(max_batch=DEFAULT_MAX_BATCH if max_batch is None else max_batch, max_trials=max_trials,
+                     margin=margin, start=1, verify_steps=verify_steps, trial_steps=1)
+    device, _ = prepare(cfg, runtime=False)
     config = load_config(cfg.model, from_scratch=cfg.from_scratch)
     check_seq_len(config, cfg.seq_len, cfg.model)
+    if cfg.preflight:  # what the plan refuses from the config alone, as training does, before the runtime
+        from fitone.plan import preflight
+
+        preflight(cfg, micro_batch=1, world_size=1)
+    max_batch = _search_ceiling(cfg, device, max_batch, say)
+    prepare(cfg)
     key = probe_key(cfg, config, device)
     search = {"max_batch": max_batch, "max_trials": max_trials, "margin": margin, "verify_steps": verify_steps}
-    cached = read_cached(key, search) if use_cache else None
+    cached = (read_cached(key, search) or read_cached(capped_key(key), search)) if use_cache else None
     if cached is not None:
-        say(f"reusing the probe saved {cached.meta.get('date', '')} in {cached.meta['cache_file']} "
-            f"(same model config, precision, lengths, GPU and cap; --no-cache measures again)")
+        capped = f", capped at max_batch={max_batch}" if cached.meta.get("capped") else ""
+        say(f"reusing the probe saved {cached.meta.get('date', '')} in {cached.meta['cache_file']} (same model "
+            f"config, precision, lengths, GPU and cap{capped}; --no-cache measures again)")
         result = cached
     else:
-        if cfg.preflight:  # host RAM for the offloaded states, as training checks it, before any engine
-            from fitone.plan import preflight
-
-            preflight(cfg, micro_batch=1, world_size=1)
         session = ProbeSession(cfg, config, device, say=say, on_model=on_model)
         try:
             result = search_batch_size(session.try_size, cap_bytes=session.cap_bytes, log=say, **search)
@@ -96,9 +108,14 @@ def probe_batch(
         result.meta["gpu_allocated_after_close"] = torch.cuda.memory_allocated() if device == "cuda" else None
         result.meta["search_s"] = result.wall_s
         result.wall_s = time.perf_counter() - began
-        result.meta["cache_file"] = str(save_cached(key, search, result))
+        # no size ran out of memory: the search stopped at its cap, not at the card's limit
+        result.meta["capped"] = all(t.fits for t in result.trials)
+        result.meta["cache_file"] = str(save_cached(capped_key(key) if result.meta["capped"] else key, search,
+                                                    result))
+        use = (f"capped at max_batch={max_batch} without running out of memory, so --batch-size auto will not "
+               "reuse it as the card's limit" if result.meta["capped"] else "for --batch-size auto")
         say(f"probe done in {result.wall_s:.1f} s (engine init {result.meta['engine_init_s']:.1f} s); "
-            f"saved for --batch-size auto in {result.meta['cache_file']}")
+            f"saved ({use}) in {result.meta['cache_file']}")
     if json_path is not None:
         say(f"wrote {result.save_json(json_path)}")
     if plot_path is not None:
@@ -117,7 +134,7 @@ def batch_size_for_training(cfg: TrainConfig, say: Say = print) -> int:
     # A ZeRO-2 rank holds the same 16-bit weights, buckets and activations as one GPU alone (measured:
     # 10.7 GiB peak at micro-batch 64 for t5-3b on one and on two H200s), so a one-GPU probe gives the
     # per-GPU micro-batch; ranks cannot probe together (an OOM on one rank hangs the others' collectives).
-    result = read_cached(probe_key(cfg, config, device))  # any search settings will do
+    result = read_cached(probe_key(cfg, config, device), full_only=True)  # any search settings; never a capped one
     if result is not None:
         say(f"--batch-size auto: reusing the probe saved {result.meta.get('date', '')} in "
             f"{result.meta['cache_file']}")
@@ -183,15 +200,38 @@ def save_to_recipe(result: ProbeResult, recipe_path: str | Path) -> Path:
 # one engine, many trials
 # ================================================================================================
 
-def prepare(cfg: TrainConfig, *, ranks_ok: bool = False) -> tuple[str, int]:
+def _search_ceiling(cfg: TrainConfig, device: str, max_batch: int | None, say: Say) -> int:
+    """The largest size the search may try. A GPU's search ends where memory runs out; on the CPU nothing
+    does, so the caller must set the ceiling, and the plan's host RAM lowers it (beyond, the OOM killer)."""
+    if device == "cuda":
+        return DEFAULT_MAX_BATCH if max_batch is None else max_batch
+    if max_batch is None:
+        raise ConfigError("on the CPU nothing runs out of memory the way a GPU does, so a search for the largest "
+                          "micro-batch has no limit to find (it would only stop at 4096, after minutes of CPU "
+                          "steps): train with --batch-size N, or cap the probe with --max-batch N "
+                          "(probe_batch(max_batch=N)) to time sizes up to N")
+    if cfg.preflight:
+        from fitone.plan import host_micro_batch_bound
+
+        bound = host_micro_batch_bound(cfg)
+        if 0 < bound < max_batch:
+            say(f"on the CPU: the search stops at micro-batch {bound}, the largest the plan fits in host RAM "
+                f"(max_batch was {max_batch})")
+            return bound
+    return max_batch
+
+
+def prepare(cfg: TrainConfig, *, ranks_ok: bool = False, runtime: bool = True) -> tuple[str, int]:
     """Device, distributed env and GPU cap, as training sets them up. Returns (device, world size).
 
     A probe itself runs in one process; `ranks_ok` lets `--batch-size auto` under a launcher through,
-    to reuse a one-GPU probe.
+    to reuse a one-GPU probe. `runtime=False` checks the model and device only (world size 1).
     """
     if not cfg.model:
         raise ConfigError("no model given: pass --model NAME_OR_PATH (or --recipe NAME)")
     device = resolve_device(cfg)
+    if not runtime:
+        return device, 1
     info = start_runtime(cfg, device)
     if info.world_size > 1 and not ranks_ok:
         raise ConfigError(f"probe-batch runs on one GPU, but this is rank {info.rank} of {info.world_size}: run "
@@ -238,7 +278,8 @@ class ProbeSession:
     def _build(self) -> None:
         cfg = self.cfg
         start = time.perf_counter()
-        self.model = build_random_model(self.config, self.device, DTYPES[cfg.precision], cfg.seed)
+        with unforeseen_oom("model build", verbose=cfg.verbose):
+            self.model = build_random_model(self.config, self.device, DTYPES[cfg.precision], cfg.seed)
         if cfg.activation_checkpointing:
             enable_activation_checkpointing(self.model)
         if self.on_model is not None:
@@ -251,7 +292,8 @@ class ProbeSession:
                      f"{cfg.precision}, {ckpt}) in {self.build_s:.1f} s; starting the DeepSpeed ZeRO-2 engine "
                      f"(optimizer on {'the CPU' if cfg.offload == 'cpu' else 'the GPU'})")
         torch.manual_seed(cfg.seed)  # dropout masks, as in training
-        self.engine = Engine(self.model, self.ds_config, **overlap_options(cfg, self.update))
+        with unforeseen_oom("engine init", verbose=cfg.verbose):
+            self.engine = Engine(self.model, self.ds_config, **overlap_options(cfg, self.update))
         self.engine.ds.train()
         self.init_s += self.engine.init_s
         self.say(f"engine ready in {self.engine.init_s:.1f} s")
@@ -471,14 +513,24 @@ def cache_path(key: dict[str, Any]) -> Path:
     return cache_dir() / f"{_digest(json.dumps(key, sort_keys=True))}.json"
 
 
-def read_cached(key: dict[str, Any], search: dict[str, Any] | None = None) -> ProbeResult | None:
-    """The saved result for `key` (and these search settings, when given); None if there is none."""
+def capped_key(key: dict[str, Any]) -> dict[str, Any]:
+    """Where a capped probe is saved: beside, never over, a full probe of the same settings."""
+    return {**key, "capped": True}
+
+
+def read_cached(key: dict[str, Any], search: dict[str, Any] | None = None, *,
+                full_only: bool = False) -> ProbeResult | None:
+    """The saved result for `key` (and these search settings, when given); None if there is none.
+    `full_only`: None for a capped probe too (one saved before capped probes had their own key)."""
     path = cache_path(key)
     try:
         entry = json.loads(path.read_text())
         if entry["key"] != key or (search is not None and entry["search"] != search):
             return None
         result = ProbeResult.from_dict(entry["result"])
+        if full_only and result.meta.get("capped", all(t.fits for t in result.trials)
+                                          and result.largest_fit >= entry["search"].get("max_batch", 0)):
+            return None
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError):

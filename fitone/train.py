@@ -31,6 +31,7 @@ from fitone.guards import BadStepStreak, HostMemoryWatch, StopRequest, is_loss_s
 from fitone.metrics import MetricsLog
 from fitone.models import (CAUSAL, SEQ2SEQ, LoadedModel, check_seq_len, enable_activation_checkpointing, load_config,
                            load_model, task_of)
+from fitone.plan import unforeseen_oom
 
 
 @dataclass
@@ -118,6 +119,11 @@ class Trainer:
         self.resume_from = self._check_run_dir()
         self.device = resolve_device(cfg)
         self._check_inputs()
+        # what the plan can refuse from the config alone (host RAM, the GPU at micro-batch 1) is refused
+        # before the runtime (DeepSpeed's may first build an op), a probe, the weights or an engine exist;
+        # an 'auto' size is checked at 1 here, then at its probed size
+        self._preflight(1 if cfg.batch_size == "auto" else int(cfg.batch_size),
+                        int(os.environ.get("WORLD_SIZE", "1")))
         self.dist: DistInfo = start_runtime(cfg, self.device)
         if self.dist.note:
             self._say(self.dist.note)
@@ -128,11 +134,13 @@ class Trainer:
                                   world_size=self.dist.world_size, on_gpu=on_gpu)
         # an 'auto' batch size is probed first, on its own model copy, before this run's weights load
         self.micro_batch = self._resolve_batch_size()
-        self._setup_model()
+        if cfg.batch_size == "auto":
+            self._preflight(self.micro_batch, self.dist.world_size)
+        with unforeseen_oom("model build", verbose=cfg.verbose):
+            self._setup_model()
         self._setup_data()
         self.accum = cfg.accumulation(self.micro_batch, self.dist.world_size)
         self.total_steps = self._total_steps()
-        self._preflight()
         self._setup_engine()
         self._setup_run_dir()
 
@@ -217,13 +225,13 @@ class Trainer:
         per_epoch = steps_per_epoch(self.data, self.micro_batch, self.dist.world_size, self.accum)
         return max(1, math.ceil(per_epoch * self.cfg.epochs))
 
-    def _preflight(self) -> None:
-        """Stop before the engine is built if host RAM cannot hold the offloaded optimizer states."""
+    def _preflight(self, micro_batch: int, world_size: int) -> None:
+        """Stop before anything is allocated if the plan says host RAM or the GPU cannot hold the run."""
         if not self.cfg.preflight:
             return
         from fitone.plan import preflight
 
-        preflight(self.cfg, micro_batch=self.micro_batch, world_size=self.dist.world_size)
+        preflight(self.cfg, micro_batch=micro_batch, world_size=world_size)
 
     def _setup_engine(self) -> None:
         ds_config = build_ds_config(self.cfg, micro_batch=self.micro_batch, world_size=self.dist.world_size,
@@ -231,7 +239,8 @@ class Trainer:
         memory.reset_gpu_peak()
         if self.cfg.offload == "cpu" and not cpu_adam_built():
             self._say("building DeepSpeed's CPU Adam once for this machine (1-2 minutes; cached for later runs)")
-        self.engine = Engine(self.loaded.model, ds_config, **overlap_options(self.cfg, self.update))
+        with unforeseen_oom("engine init", verbose=self.cfg.verbose):
+            self.engine = Engine(self.loaded.model, ds_config, **overlap_options(self.cfg, self.update))
         if self.update == "pipelined" and self.cfg.pipelined_update is None:
             self._say("optimizer step: the pipelined update (CPU Adam and upload overlapped with the next forward; "
                       "the same arithmetic as DeepSpeed's step, ~1.4x faster); --no-pipelined-update for DeepSpeed's")

@@ -15,6 +15,7 @@ import importlib
 import json
 import math
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +33,8 @@ from fitone.probe import ProbeResult, TrialResult, search_batch_size
 from fitone.probe_run import ProbeSession, prepare, probe_batch, probe_key, read_cached, save_cached
 
 SRC_LEN = TGT_LEN = 8
+# the CPU has no memory limit a search could find, so a probe there needs a ceiling; the faked OOMs come below it
+CAP = 64
 
 
 def quiet(_line: str) -> None:
@@ -96,7 +99,7 @@ def sizes(result: ProbeResult) -> list[int]:
 def test_forward_oom_search_tries_these_sizes_then_backs_off_by_the_margin(cache_root):
     budget = Budget(limit=5, phase="forward")
     lines: list[str] = []
-    result = probe_batch(probe_config(), verify_steps=2, say=lines.append, on_model=budget)
+    result = probe_batch(probe_config(), max_batch=CAP, verify_steps=2, say=lines.append, on_model=budget)
     # double to the first OOM (8), bisect 4..8 down to granularity 1, choose floor(5 x 0.95) = 4, verify it
     assert sizes(result) == [1, 2, 4, 8, 6, 5, 4]
     assert [t.fits for t in result.trials] == [True, True, True, False, False, True, True]
@@ -138,7 +141,7 @@ def test_with_the_pipelined_update_the_probe_trials_run_the_engine_training_will
 
     monkeypatch.setattr("fitone.probe_run.Engine", engine)
     cfg = probe_config(pipelined_update=True) if how == "asked for" else probe_config()
-    result = probe_batch(cfg, verify_steps=2, say=quiet, on_model=Budget(limit=5, phase="backward"))
+    result = probe_batch(cfg, max_batch=CAP, verify_steps=2, say=quiet, on_model=Budget(limit=5, phase="backward"))
     assert sizes(result) == [1, 2, 4, 8, 6, 5, 4] and result.chosen == 4 and result.verified
     assert built and set(built) == {"PipelinedUpdate"} and result.meta["update"] == "pipelined"
     assert probe_run.probe_key(cfg, load_config("t5-tiny", from_scratch=True), "cpu")["pipelined_update"]
@@ -200,7 +203,8 @@ def test_without_the_reset_zero2_breaks_and_the_engine_is_rebuilt(monkeypatch):
     """Proves the reset is needed (the next backward fails) and that the probe survives by rebuilding."""
     monkeypatch.setattr(Engine, "reset_after_oom", lambda self: None)
     lines: list[str] = []
-    result = probe_batch(probe_config(), verify_steps=1, say=lines.append, on_model=Budget(limit=1, phase="backward"))
+    result = probe_batch(probe_config(), max_batch=CAP, verify_steps=1, say=lines.append,
+                         on_model=Budget(limit=1, phase="backward"))
     assert sizes(result) == [1, 2, 1] and result.verified
     assert result.meta["engine_rebuilds"] == 1
     assert any("Gradient computed twice" in line and "rebuilding the engine, trying 1 again" in line
@@ -213,7 +217,7 @@ def test_a_non_oom_error_is_raised_and_the_engine_closed(monkeypatch):
     monkeypatch.setattr(Engine, "close", lambda self: (closed.append(self), real_close(self)))
     budget = Budget(limit=2, phase="forward", error=ValueError)
     with pytest.raises(ValueError, match="faked"):
-        probe_batch(probe_config(), say=quiet, on_model=budget)
+        probe_batch(probe_config(), max_batch=CAP, say=quiet, on_model=budget)
     assert len(closed) == 1
     gc.collect()  # the traceback's frames held the model until the exception went
     assert budget.model_freed
@@ -221,7 +225,7 @@ def test_a_non_oom_error_is_raised_and_the_engine_closed(monkeypatch):
 
 def test_size_one_out_of_memory_names_what_to_change():
     with pytest.raises(MemoryBudgetError) as info:
-        probe_batch(probe_config(), say=quiet, on_model=Budget(limit=0, phase="forward"))
+        probe_batch(probe_config(), max_batch=CAP, say=quiet, on_model=Budget(limit=0, phase="forward"))
     message = str(info.value)
     assert "\n" not in message
     for fix in ("batch size 1", "in forward", "--src-len", "--tgt-len", "--max-gpu-memory", "fitone plan"):
@@ -235,7 +239,7 @@ def test_the_probe_checks_host_ram_before_building_anything(monkeypatch, cache_r
     built = []
     monkeypatch.setattr(memory, "host_available_bytes", lambda: 1 << 20)
     with pytest.raises(MemoryBudgetError, match="host RAM too small"):
-        probe_batch(probe_config(), say=quiet, on_model=built.append)
+        probe_batch(probe_config(), max_batch=CAP, say=quiet, on_model=built.append)
     assert built == [] and not cache_root.exists()  # no model, no engine, nothing saved
     # the CLI: the same one line; --no-preflight (the user knows better) probes; --no-expandable-segments
     # is the training flag, taken here too so that the probe matches the run it is for
@@ -349,7 +353,8 @@ def test_batch_size_auto_under_several_ranks_reuses_the_one_gpu_probe_or_says_to
 
 def test_batch_size_auto_probes_frees_the_probe_then_trains_the_found_size(monkeypatch, cache_root, capsys):
     budget = Budget(limit=3, phase="forward")
-    monkeypatch.setattr(probe_run, "probe_batch", functools.partial(probe_batch, on_model=budget, verify_steps=1))
+    monkeypatch.setattr(probe_run, "probe_batch", functools.partial(probe_batch, on_model=budget, verify_steps=1,
+                                                                    max_batch=CAP))
     train_module = importlib.import_module("fitone.train")  # `fitone.train` is also the function
 
     loaded_after_probe = []
@@ -367,6 +372,66 @@ def test_batch_size_auto_probes_frees_the_probe_then_trains_the_found_size(monke
     assert "no saved probe for this model" in capsys.readouterr().out
     key = probe_key(cfg, load_config("t5-tiny", from_scratch=True), "cpu")
     assert read_cached(key).chosen == 2  # saved: the next run reuses it
+
+
+# -- on the CPU ------------------------------------------------------------------------------------
+def test_on_the_cpu_a_probe_without_a_ceiling_is_refused_before_building_anything(cache_root):
+    # nothing runs out of memory on a CPU the way it does on a GPU: an uncapped search would only time sizes
+    # up to 4096 and call the last one the limit
+    built = []
+    with pytest.raises(ConfigError, match="on the CPU nothing runs out of memory the way a GPU does"):
+        probe_batch(probe_config(), say=quiet, on_model=built.append)
+    assert built == [] and not cache_root.exists()
+    common = ["--model", "t5-tiny", "--from-scratch", "--device", "cpu", "--precision", "fp32", "--src-len", "8",
+              "--tgt-len", "8"]
+    for argv in (["probe-batch", *common], ["train", *common, "--batch-size", "auto", "--max-steps", "1"]):
+        rc, _out, err = run_main(argv)
+        assert rc == 2 and len(err.strip().splitlines()) == 1, err
+        assert "--batch-size N" in err and "--max-batch N" in err
+    assert not cache_root.exists()
+
+
+def test_on_the_cpu_the_search_stops_at_the_plans_host_ram_bound(monkeypatch):
+    """Fakes only the reading of host RAM: just enough for micro-batch 5 by the plan's count."""
+    from fitone import memory
+    from fitone.plan import preflight
+
+    cfg = probe_config()
+    plans = {b: preflight(cfg, micro_batch=b) for b in (5, 6)}  # a CPU run keeps its "GPU" side in host RAM too
+    need = {b: p.host_total + p.gpu_allocated for b, p in plans.items()}
+    monkeypatch.setattr(memory, "host_rss_bytes", lambda: 0)
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: (need[5] + need[6]) // 2)
+    lines: list[str] = []
+    result = probe_batch(cfg, max_batch=CAP, verify_steps=1, say=lines.append)
+    assert max(sizes(result)) == 5 == result.largest_fit and result.chosen == 4
+    assert any(f"the search stops at micro-batch 5, the largest the plan fits in host RAM (max_batch was {CAP})"
+               in line for line in lines)
+    assert result.meta["capped"]  # no size ran out of memory: the bound, not a measured limit
+
+
+def test_a_capped_probe_is_never_reused_as_a_probe_of_the_card(cache_root):
+    key = probe_key(probe_config(), load_config("t5-tiny", from_scratch=True), "cpu")
+    full = probe_batch(probe_config(), max_batch=CAP, verify_steps=1, say=quiet, on_model=Budget(limit=3))
+    assert not full.meta["capped"] and full.chosen == 2  # 4 ran out of memory: the card's limit was found
+    lines: list[str] = []
+    capped = probe_batch(probe_config(), max_batch=2, verify_steps=1, say=lines.append)  # the notebook's kind
+    assert capped.meta["capped"] and capped.chosen == 1 and sizes(capped) == [1, 2, 1]
+    assert any("capped at max_batch=2 without running out of memory, so --batch-size auto will not reuse it" in line
+               for line in lines)
+    # saved beside the full probe, not over it; --batch-size auto takes the full one
+    assert capped.meta["cache_file"] != full.meta["cache_file"] and len(list(cache_root.glob("*.json"))) == 2
+    assert read_cached(key).chosen == 2
+    assert fitone.train(probe_config(batch_size="auto", max_steps=1)).micro_batch == 2
+    # with only the capped one saved, --batch-size auto does not take it: it would probe (refused on the CPU)
+    Path(full.meta["cache_file"]).unlink()
+    with pytest.raises(ConfigError, match="on the CPU nothing runs out of memory"):
+        fitone.train(probe_config(batch_size="auto", max_steps=1))
+    # nor one saved under the card's key before capped probes had their own (no 'capped' flag)
+    capped.meta.pop("capped")
+    save_cached(key, {"max_batch": 2, "max_trials": 16, "margin": 0.05, "verify_steps": 1}, capped)
+    assert read_cached(key) is not None and read_cached(key, full_only=True) is None
+    with pytest.raises(ConfigError, match="on the CPU nothing runs out of memory"):
+        fitone.train(probe_config(batch_size="auto", max_steps=1))
 
 
 # -- the saved results -----------------------------------------------------------------------------

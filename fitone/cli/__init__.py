@@ -48,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return dispatch(sys.argv[1:] if argv is None else argv)
     except FitoneError as exc:
+        if getattr(exc, "show_traceback", False):  # --verbose on a failure fitone did not foresee
+            import traceback
+
+            traceback.print_exception(exc)
         print(f"fitone: error: {exc}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:

@@ -24,7 +24,9 @@ def add_parser(sub) -> None:
                "--tgt-len 128 --precision fp16 --max-gpu-memory 23GiB --json probe.json --plot probe.png")
     add_recipe_arguments(p)
     add_config_flags(p, PROBE_FLAGS)
-    p.add_argument("--max-batch", type=int, default=4096, help="largest size to try (default 4096)")
+    p.add_argument("--max-batch", type=int, default=None,
+                   help="largest size to try (default 4096 on a GPU; needed on the CPU, where nothing runs out of "
+                        "memory the way a GPU does, and bounded there by the plan's host RAM)")
     p.add_argument("--max-trials", type=int, default=16, help="search trials before settling (default 16)")
     p.add_argument("--margin", type=float, default=0.05,
                    help="back off from the largest fit by this fraction, for memory that varies between steps "
