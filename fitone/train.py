@@ -396,7 +396,8 @@ class Trainer:
         }
         if engine.loss_scale is not None:
             record["loss_scale"] = engine.loss_scale
-        if self.state["step"] % self.cfg.log_every == 0 or self.state["step"] == self.total_steps:
+        step = self.state["step"]  # the first and last steps always: `fitone report` starts and ends where TrainResult does
+        if step % self.cfg.log_every == 0 or step in (1, self.total_steps):
             self.metrics.write(record)
         if bar is not None:
             bar.update(1)
@@ -456,7 +457,10 @@ class Trainer:
         shutil.rmtree(tmp, ignore_errors=True)
         model = self.engine.module
         model.config.use_cache = True
-        model.save_pretrained(tmp, safe_serialization=True)
+        from fitone.engine import no_hf_progress_bars
+
+        with no_hf_progress_bars():
+            model.save_pretrained(tmp, safe_serialization=True)
         self.loaded.tokenizer.save_pretrained(tmp)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
