@@ -227,7 +227,7 @@ class Trainer:
                                     total_steps=self.total_steps, on_gpu=self.device == "cuda")
         memory.reset_gpu_peak()
         if self.cfg.offload == "cpu" and not cpu_adam_built():
-            self._say("building DeepSpeed's CPU Adam once for this machine (1-2 minutes; cached for later runs)")
+            self._say("building DeepSpeed's CPU Adam once for this machine (~1.5 minutes on 2 cores; cached for later runs)")
         self.engine = Engine(self.loaded.model, ds_config, **overlap_options(self.cfg, self.update))
         if self.update == "pipelined" and self.cfg.pipelined_update is None:
             self._say("optimizer step: the pipelined update (CPU Adam and upload overlapped with the next forward; "
