@@ -5,16 +5,19 @@ Each recipe runs in its own child process, the way a user reproduces it offline:
     fitone train --recipe NAME model=<its folder> from_scratch=true data=synthetic batch_size=auto \\
         max_steps=STEPS eval_examples=0 out=null
 so the probe picks the micro-batch (a fresh probe: FITONE_CACHE_DIR is a new folder) and every other
-value (lengths, precision, offload, cap, accumulation) is the recipe's. `out=null` writes no checkpoint
+value (lengths, precision, offload, cap, accumulation) is the recipe's; eval_examples=0 and 4 steps keep the
+call short. `out=null` writes no checkpoint
 and no export (a t5-3b checkpoint is ~40 GB). Per recipe it records the probe's micro-batch (and its
 largest fit), samples/s (and tokens/s for causal LMs), peak GPU, peak host RSS of the training loop and
 of the whole process (probe included), or the one-line error a refusal gave, in OUT/recipes.json and
 OUT/recipes.md, with each child's log in OUT/logs/.
 
-On the GPU machine (one H200; see ../shared/gpu/README.md for the .whl prelude), under 10 minutes:
+On the GPU machine (one H200; see ../shared/gpu/README.md for the .whl prelude):
     python3 scripts/run_recipes.py --out $OUT
-The recipes run cheapest first; one that would start after --budget-s is recorded as skipped (rerun it
-with --recipes NAME). llama-7b/24gb needs ~150 GiB of host RAM: on a 128 GiB machine its pre-flight
+Not yet run there. From earlier runs' costs (a t5-3b probe ~90 s, an offloaded engine init 30-60 s, the
+CPU Adam build ~50 s: bench/results/2026-11-30-probe-default/, ../shared/gpu/README.md) it should take
+8-9 minutes: an estimate, not a measurement. A recipe that would start after --budget-s (540 s) is
+recorded as skipped (rerun it with --recipes NAME). llama-7b/24gb needs ~150 GiB of host RAM: on a 128 GiB machine its pre-flight
 refuses it in seconds (recorded as refused); the 2-GPU kind (256 GiB) runs it.
 
 On a CPU (a dry run of this script, not of the recipes): FITONE_RECIPES_DRY_RUN=1 runs two recipes with
@@ -39,8 +42,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-# cheapest first, so that a tight budget still covers most recipes; the CPU one is the README's quick start
-ORDER = ["t5-large/24gb", "gpt2-xl/16gb", "t5-3b/80gb", "t5-3b/24gb", "llama-7b/24gb"]
+# the two without offload first: they need no CPU Adam, which builds meanwhile (run_all); llama last (the
+# most host RAM). The CPU recipe is the README's quick start, not run here.
+ORDER = ["t5-large/24gb", "t5-3b/80gb", "gpt2-xl/16gb", "t5-3b/24gb", "llama-7b/24gb"]
 DRY_RUN = ["t5-large/24gb", "gpt2-xl/16gb"]  # offload none (torch AdamW) and a causal LM with offload
 GIB = 1024**3
 
@@ -50,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--out", required=True, help="folder for recipes.json, recipes.md and logs/")
     p.add_argument("--recipes", help="comma-separated names (default: every GPU recipe)")
-    p.add_argument("--steps", type=int, default=5, help="optimizer steps per recipe (samples/s: median of 2..N)")
+    p.add_argument("--steps", type=int, default=4, help="optimizer steps per recipe (samples/s: median of 2..N)")
     p.add_argument("--budget-s", type=float, default=540,
                    help="start no recipe after this many seconds; each child is stopped at the budget's end")
     p.add_argument("--one", help=argparse.SUPPRESS)  # child mode: run this recipe, write --result
@@ -126,6 +130,12 @@ def run_all(args: argparse.Namespace) -> int:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
            "FITONE_CACHE_DIR": tempfile.mkdtemp(prefix="run-recipes-cache-")}  # a fresh probe per recipe
     began = time.monotonic()
+    # DeepSpeed's CPU Adam is JIT-compiled once per fresh machine (~50 s on the H200, README): on the CPU
+    # cores, while the recipes without offload use the GPU, instead of inside the first offloaded recipe
+    with open(out / "logs" / "cpu-adam-build.log", "w") as log:
+        build = subprocess.Popen([sys.executable, "-c", "from deepspeed.ops.op_builder import CPUAdamBuilder; "
+                                  "CPUAdamBuilder().load()"], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                 start_new_session=True)
     records = []
     for name in names:
         left = args.budget_s - (time.monotonic() - began)
@@ -153,6 +163,8 @@ def run_all(args: argparse.Namespace) -> int:
         record["probe_largest_fit"] = int(fit.group(1)) if fit else None
         records.append(record)
         print(line_for(record), flush=True)
+    if build.poll() is None:
+        os.killpg(build.pid, signal.SIGKILL)
     write_results(out, records, time.monotonic() - began)
     return 0 if all(r["status"] in ("ran", "refused") for r in records) else 1
 
@@ -163,8 +175,11 @@ def machine() -> dict[str, Any]:
     import torch
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (CPU)"
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                            check=False).stdout.strip() or None
+    try:  # the device's copy of the tree may have no .git, or no git
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                check=False).stdout.strip() or None
+    except OSError:
+        commit = None
     return {"gpu": gpu, "torch": torch.__version__, "deepspeed": version("deepspeed"), "commit": commit,
             "date": dt.datetime.now().isoformat(timespec="seconds"), "dry_run": dry_run()}
 
