@@ -133,8 +133,8 @@ def run_all(args: argparse.Namespace) -> int:
     # DeepSpeed's CPU Adam is JIT-compiled once per fresh machine (~50 s on the H200, README): on the CPU
     # cores, while the recipes without offload use the GPU, instead of inside the first offloaded recipe
     with open(out / "logs" / "cpu-adam-build.log", "w") as log:
-        build = subprocess.Popen([sys.executable, "-c", "from deepspeed.ops.op_builder import CPUAdamBuilder; "
-                                  "CPUAdamBuilder().load()"], stdout=log, stderr=subprocess.STDOUT, env=env,
+        code = "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()"
+        build = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT, env=env,
                                  start_new_session=True)
     records = []
     for name in names:
@@ -197,8 +197,9 @@ def line_for(r: dict[str, Any]) -> str:
 def write_results(out: Path, records: list[dict[str, Any]], wall_s: float) -> None:
     info = {**machine(), "wall_s": wall_s}
     (out / "recipes.json").write_text(json.dumps({"machine": info, "recipes": records}, indent=2, default=str))
-    rows = ["| recipe | status | micro-batch (largest fit) | samples/s | tokens/s | peak GPU GiB | peak host GiB "
-            "(train / process) | step |", "|---|---|---|---|---|---|---|---|"]
+    header = ("| recipe | status | micro-batch (largest fit) | samples/s | tokens/s | peak GPU GiB "
+              "| peak host GiB (train / process) | step |")
+    rows = [header, "|---|---|---|---|---|---|---|---|"]
     for r in records:
         if r["status"] == "ran":
             tokens = f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "-"
