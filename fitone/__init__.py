@@ -4,6 +4,7 @@ In a notebook: `fitone.train(...)`, `fitone.probe_batch(...)`, `fitone.plan(...)
 as the CLI (TrainConfig fields) and return result objects.
 """
 
+from fitone import _jupyter  # noqa: F401 - first: imports tqdm.auto without its ipywidgets warning
 from fitone.config import TrainConfig
 from fitone.errors import FitoneError
 from fitone.plan import Plan, plan

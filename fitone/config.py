@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 from fitone.errors import ConfigError
 
-PRECISIONS = ("fp16", "bf16", "fp32")
+PRECISIONS = ("fp16", "bf16", "fp32", "auto")
 OFFLOADS = ("cpu", "none")
 DEVICES = ("auto", "cuda", "cpu")
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -42,6 +42,13 @@ def parse_size(text: str | int | float | None, what: str = "memory size") -> int
     if value <= 0:
         raise ConfigError(f"{what} must be positive, got {text!r}")
     return value
+
+
+def resolve_precision(precision: str, on_gpu: bool) -> str:
+    """'auto' (the default) is fp16 with loss scaling on a GPU and fp32 on the CPU, where DeepSpeed refuses fp16."""
+    if precision != "auto":
+        return precision
+    return "fp16" if on_gpu else "fp32"
 
 
 def gib(n_bytes: float) -> float:
@@ -80,7 +87,7 @@ class TrainConfig:
     epochs: float = 1.0
     seed: int = 42
     # memory and precision
-    precision: str = "fp16"
+    precision: str = "auto"  # fp16 on a GPU, fp32 on the CPU (resolve_precision)
     activation_checkpointing: bool = True
     offload: str = "cpu"
     delayed_update: bool = False  # one-step delayed parameter update (fitone.zero2.overlap): CPU Adam beside the GPU

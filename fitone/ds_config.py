@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from fitone.config import TrainConfig, check_keys
+from fitone.config import TrainConfig, check_keys, resolve_precision
 from fitone.errors import ConfigError
 
 BUCKET_SIZE = int(2e8)  # elements; overlap_comm holds ~4.5x this in extra buffers (DeepSpeed docs)
@@ -73,16 +73,32 @@ def build_ds_config(
     if cfg.offload == "cpu":
         # pinned host buffers speed up transfers on a GPU; on a CPU-only machine there is nothing to pin for
         ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
-    if cfg.precision == "fp16":
+    precision = resolve_precision(cfg.precision, on_gpu)
+    if precision == "fp16":
         ds["fp16"] = loss_scale_section()
-    elif cfg.precision == "bf16":
+    elif precision == "bf16":
         ds["bf16"] = {"enabled": True}
     scheduler = lr_scheduler(cfg, total_steps)
     if scheduler:
         ds["scheduler"] = scheduler
     if cfg.ds_config:
         ds = merge(ds, read_user_config(cfg.ds_config))
+    if cfg.offload == "none":
+        use_torch_adamw(ds, fused=on_gpu)
     return ds
+
+
+def use_torch_adamw(ds: dict[str, Any], *, fused: bool) -> None:
+    """With the optimizer on the GPU, take PyTorch's AdamW (fused kernels on CUDA) instead of DeepSpeed's
+    FusedAdam: that one is JIT-compiled at the first engine, and DeepSpeed 0.19.8's build cannot parse
+    Hopper's arch '9.0a', so --offload none failed on H100/H200 before the first step. DeepSpeed's own
+    `torch_adam` switch builds torch.optim.AdamW from the same section (extra params are passed on), a
+    ZeRO-2-tested optimizer. A --ds-config that picks another optimizer, or sets torch_adam, is kept."""
+    optimizer = ds.get("optimizer") or {}
+    params = optimizer.get("params") or {}
+    if str(optimizer.get("type", "")).lower() not in ("adam", "adamw") or "torch_adam" in params:
+        return
+    optimizer["params"] = {**params, "torch_adam": True, "fused": fused}
 
 
 def update_mode(cfg: TrainConfig, ds: dict[str, Any], *, world_size: int = 1, on_gpu: bool = True) -> str:

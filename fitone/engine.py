@@ -10,13 +10,13 @@ import logging
 import os
 import socket
 import time
-from contextlib import contextmanager, redirect_stdout
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from dataclasses import dataclass, replace
 from typing import Any, Iterator
 
 import torch
 
-from fitone.config import TrainConfig
+from fitone.config import TrainConfig, resolve_precision
 from fitone.errors import DeviceError
 from fitone import memory
 
@@ -69,11 +69,18 @@ def share_cpu_threads() -> str:
 
 
 def resolve_device(cfg: TrainConfig) -> str:
-    """'cuda' or 'cpu', failing early on combinations DeepSpeed would reject later with a traceback."""
+    """'cuda' or 'cpu', failing early on combinations DeepSpeed would reject later with a traceback.
+
+    Also fills in an 'auto' precision for that device (cfg is changed in place), with a note on the CPU."""
     has_cuda = memory.cuda_ready()
     device = cfg.device if cfg.device != "auto" else ("cuda" if has_cuda else "cpu")
     if device == "cuda" and not has_cuda:
         raise DeviceError("--device cuda but no CUDA GPU is visible: use --device cpu (slow) or check the driver")
+    if cfg.precision == "auto":
+        cfg.precision = resolve_precision("auto", on_gpu=device == "cuda")
+        if device == "cpu" and int(os.environ.get("RANK", "0")) == 0:
+            print("fitone: no GPU: training in fp32 on the CPU (fp16 needs a CUDA GPU; --precision bf16 is "
+                  "faster on CPUs with bf16 instructions)", flush=True)
     if device == "cpu":
         if cfg.precision == "fp16":
             raise DeviceError("fp16 needs a CUDA GPU (DeepSpeed's CPU accelerator refuses it): "
@@ -108,6 +115,59 @@ def quiet_logs(verbose: bool) -> None:
 
     ds_logger.setLevel(logging.INFO if verbose else logging.ERROR)
     transformers.logging.set_verbosity(logging.INFO if verbose else logging.ERROR)
+    if not verbose:
+        _probe_ops_quietly()
+
+
+def _probe_ops_quietly() -> None:
+    """On DeepSpeed's CPU accelerator the process group's setup asks whether each op could be built, once
+    per process: that compiles and links small test programs, and the one for async_io prints the
+    linker's "cannot find -laio" straight to file descriptor 2, which reads like a failure and is none
+    (fitone uses no async I/O). Ask first, with descriptors 1 and 2 pointed at /dev/null; the answer is
+    cached, so DeepSpeed does not ask again. On CUDA nothing asks, and nothing is probed here."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    if "__compatible_ops__" in vars(deepspeed.ops) or get_accelerator().create_op_builder("ShareMemCommBuilder") is None:
+        return
+    with silenced_fds():
+        deepspeed.ops.__compatible_ops__  # noqa: B018 - computed and cached on first access
+
+
+@contextmanager
+def silenced_fds() -> Iterator[None]:
+    """Python's sys.stdout/stderr and file descriptors 1 and 2 (child processes, C code) go to /dev/null."""
+    import sys
+
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    saved = [os.dup(1), os.dup(2)]
+    try:
+        with open(os.devnull, "w") as sink, redirect_stdout(sink), redirect_stderr(sink):
+            os.dup2(sink.fileno(), 1)
+            os.dup2(sink.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in saved:
+            os.close(fd)
+
+
+@contextmanager
+def no_hf_progress_bars() -> Iterator[None]:
+    """transformers' own bars (e.g. "Writing model shards" in save_pretrained) unless --verbose: fitone
+    says what it saved and where."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    if was_on and not _VERBOSE:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on and not _VERBOSE:
+            hf_logging.enable_progress_bar()
 
 
 @contextmanager

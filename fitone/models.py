@@ -7,9 +7,13 @@ hub id or a local directory. The task (seq2seq or causal LM) follows from the mo
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import os
+import socket
+import threading
+import urllib.parse
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,13 +60,50 @@ def load_config(name: str, *, from_scratch: bool) -> PretrainedConfig:
             "or give a directory holding a config.json"
         )
     try:
-        return AutoConfig.from_pretrained(name)
+        return AutoConfig.from_pretrained(name, **hub_options(name))
     except (OSError, ValueError) as exc:
         raise ModelError(_not_found(name)) from exc
 
 
+HUB_CHECK_S = 3.0  # how long to wait for the hub's address before calling it unreachable
+
+
+def hub_options(name: str) -> dict[str, Any]:
+    """from_pretrained's options for `name`: local files only where the hub cannot be asked.
+
+    Without HF_HUB_OFFLINE and without a network, huggingface_hub retries each request with backoff
+    (eleven warning lines over ~28 s) before the same "not found". One connection attempt, once per
+    process, decides instead; a local directory never asks the hub."""
+    if Path(name).is_dir():
+        return {}
+    return {"local_files_only": True} if _hub_offline() else {}
+
+
+@functools.cache
+def _hub_offline() -> bool:
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        return True
+    url = urllib.parse.urlparse(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    port = url.port or (443 if url.scheme == "https" else 80)
+    answered, reached = threading.Event(), []
+
+    def connect() -> None:  # in a thread: a name lookup may hang longer than any socket timeout
+        try:
+            socket.create_connection((url.hostname, port), timeout=HUB_CHECK_S).close()
+            reached.append(True)
+        except OSError:
+            pass
+        finally:
+            answered.set()
+
+    threading.Thread(target=connect, daemon=True).start()
+    answered.wait(HUB_CHECK_S)
+    return not reached
+
+
 def _not_found(name: str) -> str:
-    where = "local directory" if os.path.sep in name or name.startswith(".") else "model id"
+    local = Path(name).exists() or name.startswith((".", "/", "~"))
+    where = "local directory" if local else "model id"
     hint = "; or add --from-scratch to build it with random weights" if name in shipped_models() else ""
     return (
         f"cannot load {where} {name!r}: not a directory with config.json and not in the local Hugging Face cache "
@@ -108,7 +149,7 @@ def load_model(name: str, *, from_scratch: bool, seed: int = 0) -> LoadedModel:
     else:
         auto = AutoModelForSeq2SeqLM if task_of(config) == SEQ2SEQ else AutoModelForCausalLM
         try:
-            model = auto.from_pretrained(name)
+            model = auto.from_pretrained(name, **hub_options(name))
         except (OSError, ValueError) as exc:
             raise ModelError(_not_found(name) + f" ({exc.__class__.__name__})") from exc
     tokenizer = load_tokenizer(name, config)
@@ -122,7 +163,7 @@ def load_tokenizer(name: str, config: PretrainedConfig):
     )
     if has_files or (not Path(name).is_dir() and name not in shipped_models()):
         try:
-            tok = AutoTokenizer.from_pretrained(name)
+            tok = AutoTokenizer.from_pretrained(name, **hub_options(name))
         except (OSError, ValueError):
             tok = ByT5Tokenizer()
     else:

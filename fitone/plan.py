@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+import os
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from fitone import memory
-from fitone.config import TrainConfig, parse_size
+from fitone.config import TrainConfig, parse_size, resolve_precision
 from fitone.errors import ConfigError, MemoryBudgetError, ModelError
 
 GIB = 1024**3
@@ -546,6 +547,8 @@ def _largest_batch(fits: Callable[[int], bool], start: int) -> int:
 
 def _deepspeed_estimate(n_params: int, gpus: int, offload: bool) -> dict[str, int] | None:
     """DeepSpeed's own numbers (the arithmetic behind estimate_zero2_model_states_mem_needs_all_live)."""
+    if not memory.cuda_ready():  # DeepSpeed falls back to its CPU accelerator itself, warning that it found no GPU
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     try:
         # DeepSpeed's logger writes to stdout from import on; keep `fitone plan --json` one JSON object
         with contextlib.redirect_stdout(sys.stderr):
@@ -699,6 +702,7 @@ def _make_plan(cfg: TrainConfig, *, gpus: int, gpu_limit: int | None, gpu_limit_
                host_available: int, on_gpu: bool) -> Plan:
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
         raise ConfigError(f"--gpus must be a positive whole number, got {gpus!r}")
+    cfg = cfg.replace(precision=resolve_precision(cfg.precision, on_gpu))  # an 'auto' precision, as training picks it
     shape, notes = model_shape(cfg)
     lengths = Lengths(cfg.src_len, cfg.tgt_len) if shape.encoder_decoder else Lengths(cfg.seq_len, cfg.seq_len)
     auto = cfg.batch_size == "auto"

@@ -27,7 +27,7 @@ class RunSummary:
 
     run_dir: str
     steps: int  # the last optimizer step logged
-    records: int
+    records: int  # logged optimizer steps (training always logs the first and the last)
     first_loss: float | None
     last_loss: float | None
     min_loss: float | None
@@ -39,14 +39,20 @@ class RunSummary:
     nonfinite_losses: int
     gpu_cap_gib: float | None = None
     eval: dict[str, float] = field(default_factory=dict)  # the last value of each eval metric
+    eval_records: int = 0  # held-out scores logged (not counted in records)
+    first_loss_step: int | None = None  # 1, as TrainResult's first loss, unless the file was written otherwise
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def table(self) -> str:
         rows = [
-            ("steps", f"{self.steps} ({self.records} logged)"),
-            ("loss", f"{_f(self.first_loss)} first, {_f(self.last_loss)} last, {_f(self.min_loss)} min"
+            ("steps", f"{self.steps} ({self.records} logged"
+                      + (f", {self.eval_records} held-out score{'s' * (self.eval_records > 1)})" if self.eval_records
+                         else ")")),
+            ("loss", f"{_f(self.first_loss)} first"
+                     + (f" (step {self.first_loss_step})" if self.first_loss_step not in (None, 1) else "")
+                     + f", {_f(self.last_loss)} last, {_f(self.min_loss)} min"
                      + (f" (step {self.min_loss_step})" if self.min_loss_step is not None else "")),
             ("samples/s", f"{_f(self.median_samples_per_s, 1)} median"),
             ("peak GPU", f"{_f(self.peak_gpu_gib, 2)} GiB" + (f" of a {self.gpu_cap_gib:.1f} GiB cap"
@@ -96,21 +102,23 @@ def read_run(run_dir: str | Path) -> list[dict[str, Any]]:
 
 def summarize(records: Sequence[dict[str, Any]], *, run_dir: str | Path = "", gpu_cap_gib: float | None = None
               ) -> RunSummary:
-    losses = [(r["step"], r["loss"]) for r in records if _finite(r.get("loss"))]
+    steps = [r for r in records if "loss" in r]  # eval records carry the step they scored, and no loss
+    losses = [(r["step"], r["loss"]) for r in steps if _finite(r.get("loss"))]
     # the first step includes lazy allocations and warm-up, as in TrainResult.samples_per_s
     steady = [r["samples_per_s"] for r in records if r["step"] > 1 and _finite(r.get("samples_per_s"))]
     steady = steady or [r["samples_per_s"] for r in records if _finite(r.get("samples_per_s"))]
     best = min(losses, key=lambda sl: sl[1], default=None)
     evals = {k: r[k] for r in records for k in EVAL_KEYS if _finite(r.get(k))}
     return RunSummary(
-        run_dir=str(run_dir), steps=int(max(r["step"] for r in records)), records=len(records),
+        run_dir=str(run_dir), steps=int(max(r["step"] for r in records)), records=len(steps),
         first_loss=losses[0][1] if losses else None, last_loss=losses[-1][1] if losses else None,
         min_loss=best[1] if best else None, min_loss_step=best[0] if best else None,
         median_samples_per_s=statistics.median(steady) if steady else None,
         peak_gpu_gib=_max(records, "gpu_peak_gib"), peak_host_gib=_max(records, "host_rss_gib"),
         skipped_steps=int(_max(records, "skipped_steps") or 0),  # DeepSpeed's running count
         nonfinite_losses=sum(1 for r in records if "loss" in r and not _finite(r["loss"])),
-        gpu_cap_gib=gpu_cap_gib, eval=evals,
+        gpu_cap_gib=gpu_cap_gib, eval=evals, eval_records=len(records) - len(steps),
+        first_loss_step=losses[0][0] if losses else None,
     )
 
 

@@ -238,7 +238,7 @@ class Trainer:
                                     total_steps=self.total_steps, on_gpu=self.device == "cuda")
         memory.reset_gpu_peak()
         if self.cfg.offload == "cpu" and not cpu_adam_built():
-            self._say("building DeepSpeed's CPU Adam once for this machine (1-2 minutes; cached for later runs)")
+            self._say("building DeepSpeed's CPU Adam once for this machine (~1.5 minutes on 2 cores; cached for later runs)")
         with unforeseen_oom("engine init", verbose=self.cfg.verbose):
             self.engine = Engine(self.loaded.model, ds_config, **overlap_options(self.cfg, self.update))
         if self.update == "pipelined" and self.cfg.pipelined_update is None:
@@ -408,7 +408,8 @@ class Trainer:
         }
         if engine.loss_scale is not None:
             record["loss_scale"] = engine.loss_scale
-        if self.state["step"] % self.cfg.log_every == 0 or self.state["step"] == self.total_steps:
+        step = self.state["step"]  # the first and last steps always: `fitone report` starts and ends where TrainResult does
+        if step % self.cfg.log_every == 0 or step in (1, self.total_steps):
             self.metrics.write(record)
         if bar is not None:
             bar.update(1)
@@ -468,7 +469,10 @@ class Trainer:
         shutil.rmtree(tmp, ignore_errors=True)
         model = self.engine.module
         model.config.use_cache = True
-        model.save_pretrained(tmp, safe_serialization=True)
+        from fitone.engine import no_hf_progress_bars
+
+        with no_hf_progress_bars():
+            model.save_pretrained(tmp, safe_serialization=True)
         self.loaded.tokenizer.save_pretrained(tmp)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)

@@ -78,6 +78,14 @@ def test_quickstart_runs_in_a_kernel_and_prints_the_train_result(kernel):
     assert (Path(kernel.client.resources["metadata"]["path"]) / "runs/quickstart/report/loss.png").is_file()
 
 
+def test_the_notebook_shows_no_third_party_noise(kernel):
+    """DeepSpeed's op check (the linker's "cannot find -laio" on descriptor 2), its accelerator warning,
+    tqdm's ipywidgets warning and transformers' save bar: none of them asks anything of the user."""
+    streams = "".join(o.text for c in kernel.nb.cells for o in c.get("outputs", []) if o.output_type == "stream")
+    for noise in ("IProgress", "cannot find -laio", "collect2", "[WARNING]", "Writing model shards"):
+        assert noise not in streams, noise
+
+
 def test_rerunning_the_training_cell_in_the_same_kernel_works_and_frees_memory(kernel):
     rss = "import psutil; print(psutil.Process().memory_info().rss)"
     after_first = int(kernel.run(rss))

@@ -27,7 +27,8 @@ def run(tmp_path_factory) -> tuple[Path, fitone.TrainResult]:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a tiny model on a shared 2-core machine: spinning OpenMP threads only slow it
     try:
-        return out, fitone.train(cpu_config(max_steps=8, log_every=1, out=str(out)))
+        # logged every 3 steps plus the first and the last (1, 3, 6, 8), and one held-out score at the end
+        return out, fitone.train(cpu_config(max_steps=8, log_every=3, eval_examples=4, out=str(out)))
     finally:
         torch.set_num_threads(threads)
 
@@ -44,9 +45,13 @@ def test_report_writes_the_three_pictures_and_a_summary_of_the_run(run, capsys):
     assert all(_is_png(p) for p in pictures)
     assert all(str(p) in printed for p in pictures)
     summary = summarize(read_run(out))
-    assert summary.steps == result.steps == 8 and summary.records == 8
+    logged = [result.losses[step - 1] for step in (1, 3, 6, 8)]
+    assert summary.steps == result.steps == 8
+    assert (summary.records, summary.eval_records) == (4, 1)  # the held-out score is not a logged step
+    assert "8 (4 logged, 1 held-out score)" in printed
+    # the first loss is step 1's, as TrainResult's, though step 1 is not a multiple of --log-every
     assert summary.first_loss == pytest.approx(result.losses[0]) and summary.last_loss == pytest.approx(result.losses[-1])
-    assert summary.min_loss == pytest.approx(min(result.losses))
+    assert summary.min_loss == pytest.approx(min(logged))
     assert summary.peak_host_gib > 0 and summary.median_samples_per_s > 0
     assert summary.peak_gpu_gib == 0 and summary.skipped_steps == 0  # a CPU run
     for label in ("steps", "loss", "samples/s", "peak GPU", "peak host RSS", "skipped steps"):

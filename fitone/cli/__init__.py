@@ -7,6 +7,7 @@ argv explicitly so tests call it directly; `main` turns FitoneError into one lin
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import sys
 
@@ -22,10 +23,38 @@ COMMANDS = {
 }
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse, with the nearest flag of the command suggested for one it does not know."""
+
+    def parse_args(self, args=None, namespace=None):  # argparse's signature
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = self._command_parser(parsed)
+            command.error(f"unrecognized arguments: {' '.join(extras)}{nearest_flag(extras, command)}")
+        return parsed
+
+    def _command_parser(self, parsed: argparse.Namespace) -> argparse.ArgumentParser:
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                return action.choices.get(getattr(parsed, action.dest, None), self)
+        return self
+
+
+def nearest_flag(unknown: list[str], parser: argparse.ArgumentParser) -> str:
+    """'; did you mean --batch-size?' for the first unknown flag that is close to one the parser has."""
+    known = [flag for action in parser._actions for flag in action.option_strings if flag.startswith("--")]
+    for word in unknown:
+        if word.startswith("--"):
+            near = difflib.get_close_matches(word.split("=", 1)[0], known, n=1, cutoff=0.7)
+            if near:
+                return f"; did you mean {near[0]}?"
+    return ""
+
+
 def build_parser() -> argparse.ArgumentParser:
     from fitone import __version__
 
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="fitone", description="Fine-tune models too big for one GPU on one GPU (DeepSpeed ZeRO-2 + CPU offload)."
     )
     parser.add_argument("--version", action="version", version=f"fitone {__version__}")

@@ -6,9 +6,13 @@ Flags default to 'not given' (SUPPRESS), so only what the user typed overrides a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from typing import Any, Iterable
 
-from fitone.config import DEVICES, LR_SCHEDULES, OFFLOADS, PRECISIONS
+from fitone.config import DEVICES, LR_SCHEDULES, OFFLOADS, PRECISIONS, TrainConfig
+from fitone.errors import ConfigError
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
 
 # field -> (type, help). bool fields become --flag / --no-flag.
 FLAGS: dict[str, tuple[Any, str]] = {
@@ -37,19 +41,19 @@ FLAGS: dict[str, tuple[Any, str]] = {
     "max_steps": (int, "stop after this many optimizer steps"),
     "epochs": (float, "passes over the data (when --max-steps is not given)"),
     "seed": (int, "seed for weights, data order and dropout"),
-    "precision": (PRECISIONS, "fp16 (dynamic loss scaling), bf16 or fp32"),
+    "precision": (PRECISIONS, "fp16 (dynamic loss scaling), bf16 or fp32; auto: fp16 on a GPU, fp32 on the CPU"),
     "activation_checkpointing": (bool, "recompute activations in backward (saves GPU memory)"),
     "offload": (OFFLOADS, "where the optimizer lives: cpu (ZeRO-Offload) or none (on the GPU)"),
     "delayed_update": (bool, "run step N's CPU Adam while the GPU computes step N+1 on weights one update "
-                             "old (faster; off by default)"),
-    "delayed_update_after": (int, "plain steps before the delayed update starts (default 20)"),
+                             "old (faster, but it trains worse)"),
+    "delayed_update_after": (int, "plain steps before the delayed update starts"),
     "pipelined_update": (bool, "run each step's CPU Adam and upload chunk by chunk while the next forward "
-                               "runs, each layer waiting for its own weights; on by default on one GPU with "
-                               "--offload cpu (--no-pipelined-update: DeepSpeed's own step)"),
+                               "runs, each layer waiting for its own weights (--no-pipelined-update: DeepSpeed's "
+                               "own step)"),
     "ds_config": (str, "a DeepSpeed JSON file merged over the generated config"),
     "max_gpu_memory": (str, "cap the CUDA allocator, e.g. 23GiB, to stand for a smaller card"),
-    "expandable_segments": (bool, "CUDA allocator with expandable segments (less fragmentation; default "
-                                  "on unless PYTORCH_CUDA_ALLOC_CONF is set)"),
+    "expandable_segments": (bool, "CUDA allocator with expandable segments (less fragmentation; unless "
+                                  "PYTORCH_CUDA_ALLOC_CONF is set)"),
     "device": (DEVICES, "cuda, cpu, or auto (cuda when present)"),
     "out": (str, "run directory: metrics.jsonl, checkpoints/, final/"),
     "save_every": (int, "write a checkpoint every N steps"),
@@ -61,14 +65,34 @@ FLAGS: dict[str, tuple[Any, str]] = {
     "progress": (bool, "show a progress bar"),
     "preflight": (bool, "check host RAM against the plan before building the engine (--no-preflight skips)"),
     "max_bad_steps": (int, "stop after this many consecutive NaN/overflow steps"),
-    "host_mem_warn": (float, "warn when host RAM use passes this fraction (default 0.90)"),
-    "host_mem_stop": (float, "checkpoint and stop when host RAM use passes this fraction (default 0.95)"),
+    "host_mem_warn": (float, "warn when host RAM use passes this fraction"),
+    "host_mem_stop": (float, "checkpoint and stop when host RAM use passes this fraction"),
 }
+
+
+# defaults that need words: None means "not set" differently per field
+DEFAULT_WORDS = {"pipelined_update": "on with one GPU and --offload cpu, else off"}
+
+
+def default_text(name: str) -> str:
+    """TrainConfig's default for a field, as --help shows it ('' where there is none to show)."""
+    if name in DEFAULT_WORDS:
+        return DEFAULT_WORDS[name]
+    value = _DEFAULTS[name]
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
 
 
 def add_config_flags(parser: argparse.ArgumentParser, names: Iterable[str]) -> None:
     for name in names:
         kind, help_text = FLAGS[name]
+        default = default_text(name)
+        if default:
+            # a recipe's value, when --recipe is given, replaces the default
+            help_text = f"{help_text} (default: {default})"
         flag = "--" + name.replace("_", "-")
         if kind is bool:
             parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
@@ -92,10 +116,33 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace, names: Iterable[str]):
     """Recipe values, then key=value overrides, then typed flags."""
-    from fitone.config import TrainConfig
     from fitone.recipes import load_recipe, parse_overrides
 
     overrides = {**parse_overrides(getattr(args, "overrides", []) or []), **given(args, names)}
+    typed = set(overrides)
     if getattr(args, "recipe", None):
-        return load_recipe(args.recipe).config(**overrides)
-    return TrainConfig.from_dict(overrides)
+        recipe = load_recipe(args.recipe)
+        cfg = recipe.config(**overrides)
+        typed |= set(recipe.values)
+    else:
+        cfg = TrainConfig.from_dict(overrides)
+    if "seq_len" in typed:
+        refuse_seq_len_on_seq2seq(cfg)
+    return cfg
+
+
+def refuse_seq_len_on_seq2seq(cfg: TrainConfig) -> None:
+    """A seq2seq model reads --src-len and --tgt-len; a --seq-len given for one would be ignored without a word.
+    Only a length the user gave is checked (TrainConfig always holds a seq_len), so it is checked here."""
+    from fitone.errors import FitoneError
+    from fitone.models import SEQ2SEQ, load_config, task_of
+
+    if not cfg.model:
+        return
+    try:
+        task = task_of(load_config(cfg.model, from_scratch=cfg.from_scratch))
+    except FitoneError:
+        return  # the run's own checks report an unknown model, in their words
+    if task == SEQ2SEQ:
+        raise ConfigError(f"--seq-len is for causal LMs; {cfg.model} is seq2seq: give --src-len and --tgt-len "
+                          f"(now {cfg.src_len} and {cfg.tgt_len}) instead")
