@@ -142,12 +142,23 @@ def check_fields(rows, fields: Sequence[str], *, flag: str, name: str, flag_of: 
                             f"field or pass --{flag_of[field]} with the name your data uses")
         dtype = getattr(rows.features[field], "dtype", type(rows.features[field]).__name__)
         if dtype not in ("string", "large_string"):
-            raise DataError(f"{flag} {name}: field {field!r} must be text, got {dtype}")
+            _first_not_text(rows, field, name)
         column = rows.data.column(field)
         if column.null_count:  # Arrow keeps the count in its metadata: no rows are read for this
             first = pc.index(pc.is_null(column), True).as_py() + 1
             raise DataError(f"{name}: example {first}: missing field {field!r}; rename the field or pass "
                             f"--{flag_of[field]} with the name your data uses")
+
+
+def _first_not_text(rows, field: str, name: str) -> None:
+    """Name the first example whose field is not text (read in batches: this is the error path only)."""
+    done = 0
+    for batch in rows.select_columns([field]).iter(batch_size=1000):
+        for i, value in enumerate(batch[field]):
+            if value is not None and not isinstance(value, str):
+                raise DataError(f"{name}: example {done + i + 1}: field {field!r} must be text, "
+                                f"got {type(value).__name__}")
+        done += len(batch[field])
 
 
 def _explain_json(path: Path, fields: Sequence[str], flag: str) -> None:
