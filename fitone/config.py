@@ -19,6 +19,7 @@ PRECISIONS = ("fp16", "bf16", "fp32", "auto")
 OFFLOADS = ("cpu", "none")
 DEVICES = ("auto", "cuda", "cpu")
 LR_SCHEDULES = ("constant", "linear", "cosine")
+REPORT_TO = ("tensorboard", "wandb")
 
 _UNITS = {
     "": 1, "b": 1,
@@ -71,7 +72,13 @@ class TrainConfig:
     src_len: int = 128
     tgt_len: int = 128
     seq_len: int = 512
-    eval_data: str | None = None  # held-out JSONL with the same fields as --data ('sample' brings its own)
+    data_split: str = "train"  # a hub id's (or save_to_disk DatasetDict's) split that --data reads
+    data_config: str | None = None  # a hub dataset's configuration (subset)
+    chat_template: str | None = None  # a Jinja file for chat `messages` rows when the tokenizer has no template
+    pack: bool = False  # causal LM: concatenate whole examples into full --seq-len rows
+    cache: bool = True  # reuse datasets' cache of converted and tokenised data (False: redo both)
+    eval_data: str | None = None  # held-out data with the same fields as --data ('sample' brings its own)
+    eval_split: str | None = None  # --eval-data's split (hub id, DatasetDict); None: validation, else test
     eval_examples: int = 64
     eval_every: int | None = None  # also score the held-out set every N optimizer steps
     # batch and schedule
@@ -106,6 +113,7 @@ class TrainConfig:
     resume: bool = False
     overwrite: bool = False
     log_every: int = 1
+    report_to: str | None = None  # also log to: tensorboard, wandb or both (comma-separated); into --out
     verbose: bool = False
     progress: bool = True
     # numerical and memory guards
@@ -209,8 +217,31 @@ class TrainConfig:
         if not 0 < self.host_mem_warn <= self.host_mem_stop <= 1:
             raise ConfigError("host-memory thresholds need 0 < --host-mem-warn <= --host-mem-stop <= 1, e.g. 0.9 and 0.95")
         parse_size(self.max_gpu_memory, "--max-gpu-memory")
+        if self.chat_template is not None and not Path(self.chat_template).is_file():
+            raise ConfigError(f"--chat-template {self.chat_template}: no such file; give a Jinja chat template file")
+        self._check_report_to()
         if self.ds_config is not None and not Path(self.ds_config).is_file():
             raise ConfigError(f"--ds-config {self.ds_config}: no such file; give the path of a DeepSpeed JSON file")
+
+    def _check_report_to(self) -> None:
+        names = self.report_sinks
+        for name in names:
+            if name not in REPORT_TO:
+                raise ConfigError(f"--report-to takes {', '.join(REPORT_TO)} (comma-separated), got {name!r}")
+        if names and self.out is None:
+            raise ConfigError(f"--report-to {self.report_to} writes into the run directory: add --out DIR")
+        if "wandb" in names:
+            import importlib.util
+
+            if importlib.util.find_spec("wandb") is None:
+                raise ConfigError("--report-to wandb needs the wandb package: pip install wandb")
+
+    @property
+    def report_sinks(self) -> list[str]:
+        """--report-to as a list (a recipe may give a YAML list)."""
+        value = self.report_to
+        items = value if isinstance(value, (list, tuple)) else str(value or "").split(",")
+        return [s.strip() for s in items if s.strip() and s.strip() != "none"]
 
 
 def _positive_int(name: str, value: Any, hint: str = "") -> None:

@@ -1,16 +1,18 @@
-"""Datasets -> padded batches, for seq2seq and causal LMs, plus the worst-case batch the probe uses.
+"""Datasets -> padded (or packed) batches, for seq2seq and causal LMs, plus the worst-case batch the probe uses.
 
-Sources: a JSONL file (seq2seq: source/target fields, causal: text), `sample` (the shipped
+Sources: a file, glob, save_to_disk directory or hub id opened by fitone.datasets_io (seq2seq:
+source/target fields; causal: text, prompt + text, or chat `messages`), `sample` (the shipped
 numbers-to-words task) or `synthetic` (random tokens at the maximum lengths, for benchmarks).
+Tokenised rows stay in memory-mapped Arrow files (datasets' cache), read one batch at a time.
 Order is a seeded permutation per epoch, so a resumed run sees exactly the batches it would have.
 """
 
 from __future__ import annotations
 
-import json
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -29,6 +31,7 @@ SYNTHETIC_SIZE = 1 << 20  # examples; generated on demand from the seed
 class Example:
     input_ids: list[int]
     labels: list[int]
+    position_ids: list[int] | None = None  # packed rows only: restart at 0 for each example
 
 
 @dataclass
@@ -39,10 +42,33 @@ class Dataset:
     examples: Sequence[Example]
     truncated: int = 0
     source: str = ""
-    raw: list[dict[str, Any]] = field(default_factory=list, repr=False)  # text, for scoring generations
+    raw: Sequence[dict[str, Any]] = field(default=(), repr=False)  # the source rows, for scoring generations
+    dropped: int = 0  # chat rows with no assistant token within --seq-len: nothing to learn, left out
+    packed_from: int | None = None  # --pack: how many examples were packed into these rows
 
     def __len__(self) -> int:
         return len(self.examples)
+
+
+class ArrowExamples(Sequence[Example]):
+    """Tokenised rows in a memory-mapped Arrow table, read one example at a time."""
+
+    def __init__(self, table):
+        names = [n for n in ("input_ids", "labels", "position_ids") if n in table.column_names]
+        self.table, self.rows = table, table.select_columns(names)
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        row = self.rows[int(i)]
+        return Example(row["input_ids"], row["labels"], row.get("position_ids"))
+
+    def lengths(self) -> list[int]:
+        """Tokens per example (inputs and, for seq2seq, targets), from their own column: no row is read."""
+        return self.table["length"]
 
 
 class SyntheticExamples(Sequence[Example]):
@@ -64,52 +90,26 @@ class SyntheticExamples(Sequence[Example]):
         return Example(src, torch.randint(3, self.vocab, (self.tgt_len,), generator=g).tolist())
 
 
-def read_jsonl(path: Path, fields: Sequence[str], *, flag: str = "--data") -> list[dict[str, str]]:
-    """Rows of a JSONL file, each checked to hold the given text fields (as `data_file` names them: seq2seq
-    source and target, causal text, or causal prompt and text). Errors name the file and line."""
-    if not path.exists():
-        choices = ", 'sample' or 'synthetic'" if flag == "--data" else ""
-        raise DataError(f"{flag} file {path} does not exist: give a JSONL path{choices}")
-    if path.is_dir():
-        raise DataError(f"{flag} path {path} is a directory: give a JSONL file")
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise DataError(f"cannot read {flag} file {path}: {exc.strerror}; check its permissions") from exc
-    except UnicodeDecodeError as exc:
-        raise DataError(f"{flag} file {path} is not UTF-8 text; convert it to UTF-8 JSONL") from exc
-    rows = []
-    for lineno, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg}); each line must be one JSON object") from exc
-        if not isinstance(row, dict):
-            raise DataError(f"{path}:{lineno}: expected a JSON object with fields {', '.join(fields)}")
-        for name in fields:
-            if name not in row:
-                raise DataError(f"{path}:{lineno}: missing field {name!r}; rename the field or pass "
-                                f"--{_field_flag(name, fields)} with the name your file uses")
-            if not isinstance(row[name], str):
-                raise DataError(f"{path}:{lineno}: field {name!r} must be text, got {type(row[name]).__name__}")
-        rows.append({name: row[name] for name in fields})
-    if not rows:
-        raise DataError(f"{flag} file {path} holds no examples; add JSON lines with fields {', '.join(fields)}")
-    return rows
-
-
 class CausalFields(tuple):
     """(prompt field, text field) of a causal LM's rows: the loss is taken on the text only."""
 
 
-def _field_flag(name: str, fields: Sequence[str]) -> str:
+class ChatFields(tuple):
+    """(messages field,): rows are chat conversations; the loss is taken on the assistant turns only."""
+
+
+MESSAGES_FIELD = "messages"
+
+
+def _field_flags(fields: Sequence[str]) -> dict[str, str]:
+    """field -> the option that renames it, for error messages."""
+    if isinstance(fields, ChatFields):
+        return {fields[0]: "text-field"}
     if isinstance(fields, CausalFields):
-        return "prompt-field" if name == fields[0] else "text-field"
+        return {fields[0]: "prompt-field", fields[1]: "text-field"}
     if len(fields) == 1:
-        return "text-field"
-    return "source-field" if name == fields[0] else "target-field"
+        return {fields[0]: "text-field"}
+    return {fields[0]: "source-field", fields[1]: "target-field"}
 
 
 def _user_fields(cfg: TrainConfig, task: str) -> tuple[str, ...]:
@@ -117,66 +117,230 @@ def _user_fields(cfg: TrainConfig, task: str) -> tuple[str, ...]:
         if cfg.prompt_field:
             raise ConfigError(f"--prompt-field is for causal LMs; {cfg.model} is seq2seq: its input is "
                               "--source-field and its output --target-field")
+        if cfg.pack:
+            raise ConfigError(f"--pack is for causal LMs; {cfg.model} is seq2seq: drop --pack (its batches are "
+                              "padded to their longest example)")
         return (cfg.source_field, cfg.target_field)
     return CausalFields((cfg.prompt_field, cfg.text_field)) if cfg.prompt_field else (cfg.text_field,)
 
 
-def data_file(cfg: TrainConfig, task: str, *, split: str = "train") -> tuple[Path, tuple[str, ...]] | None:
-    """The JSONL file and text fields a run reads for `split`; None when there is none (synthetic data,
-    or no --eval-data beside a user's file: fitone does not hold out silently)."""
+def data_file(cfg: TrainConfig, task: str, *, split: str = "train") -> tuple[str, tuple[str, ...]] | None:
+    """The source (file, glob, save_to_disk dir or hub id) and text fields a run reads for `split`; None when
+    there is none (synthetic data, or no --eval-data beside a user's data: fitone does not hold out silently)."""
     user_fields = _user_fields(cfg, task)
     if split == "eval" and cfg.eval_data:
-        return Path(cfg.eval_data), user_fields
+        return cfg.eval_data, user_fields
     if cfg.data == "synthetic":
         return None
     if cfg.data == "sample":
         if task != SEQ2SEQ:
             raise ConfigError("the sample task is seq2seq (numbers to words): use a T5 model, or --data FILE.jsonl "
                               "with a 'text' field for a causal LM")
-        return (SAMPLE_EVAL if split == "eval" else SAMPLE_TRAIN), ("source", "target")
+        return str(SAMPLE_EVAL if split == "eval" else SAMPLE_TRAIN), ("source", "target")
     if split == "eval":
         return None
-    return Path(cfg.data), user_fields
+    return cfg.data, user_fields
+
+
+@dataclass
+class Rows:
+    """A source's rows, opened and checked (memory-mapped, not read), and the fields a run takes from them."""
+
+    table: Any  # datasets.Dataset
+    fields: tuple[str, ...]
+    source: str
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            part = self.table[i]
+            return [dict(zip(part, values)) for values in zip(*part.values())]
+        return self.table[int(i)]
+
+
+def open_data(cfg: TrainConfig, task: str, *, split: str = "train") -> Rows | None:
+    """Open the train (or eval) source and check its fields, before any weights load; None where data_file
+    has none. Causal rows with a `messages` list and no text field are chat conversations."""
+    from fitone.datasets_io import check_fields, open_rows
+
+    found = data_file(cfg, task, split=split)
+    if found is None:
+        return None
+    spec, fields = found
+    user_eval = split == "eval" and bool(cfg.eval_data)
+    flag = "--eval-data" if user_eval else "--data"
+    table = open_rows(spec, flag=flag, split=(cfg.eval_split if user_eval else cfg.data_split),
+                      config_name=cfg.data_config, text_fields=fields, use_cache=cfg.cache, progress=cfg.progress)
+    if task == CAUSAL and not cfg.prompt_field and cfg.text_field not in table.column_names \
+            and MESSAGES_FIELD in table.column_names:
+        fields = ChatFields((MESSAGES_FIELD,))
+    else:
+        check_fields(table, fields, flag=flag, name=spec, flag_of=_field_flags(fields))
+    return Rows(table, fields, spec)
 
 
 def load_dataset(cfg: TrainConfig, task: str, tokenizer, vocab_size: int, *, split: str = "train",
-                 rows: list[dict[str, str]] | None = None) -> Dataset | None:
-    """The run's train (or eval) examples, tokenised and truncated to the configured lengths.
+                 rows: Rows | None = None) -> Dataset | None:
+    """The run's train (or eval) examples, tokenised (cached by datasets), truncated to the configured
+    lengths, and for training with --pack packed into full rows.
 
-    `rows` are the file's rows when the caller has already read (and so checked) them.
+    `rows` are the source's rows when the caller has already opened (and so checked) them.
     """
     if cfg.data == "synthetic" and split == "train":
         src = cfg.seq_len if task == CAUSAL else cfg.src_len
         return Dataset(task, SyntheticExamples(task, vocab_size, src, cfg.tgt_len, cfg.seed), source="synthetic")
-    found = data_file(cfg, task, split=split)
-    if found is None:
-        return None
-    path, fields = found
     if rows is None:
-        rows = read_jsonl(path, fields, flag="--eval-data" if split == "eval" and cfg.eval_data else "--data")
-    return tokenize(rows, fields, task, tokenizer, cfg, source=str(path))
+        rows = open_data(cfg, task, split=split)
+        if rows is None:
+            return None
+    return tokenize(rows, task, tokenizer, cfg, pack=cfg.pack and split == "train")
 
 
-def tokenize(rows: list[dict[str, str]], fields: Sequence[str], task: str, tokenizer, cfg: TrainConfig,
-             source: str = "") -> Dataset:
+def tokenize(rows: Rows, task: str, tokenizer, cfg: TrainConfig, *, pack: bool = False) -> Dataset:
+    """Tokenise every row with datasets' map (a progress bar; cached between runs unless --no-cache)."""
+    from fitone.datasets_io import progress_bars
+
+    if isinstance(rows.fields, ChatFields):
+        chat_tokenizer(tokenizer, cfg.chat_template, rows.source)
     eos = tokenizer.eos_token_id
-    examples, truncated = [], 0
-    if task == SEQ2SEQ:
-        srcs = tokenizer([r[fields[0]] for r in rows], add_special_tokens=True)["input_ids"]
-        tgts = tokenizer([r[fields[1]] for r in rows], add_special_tokens=True)["input_ids"]
-        for s, t in zip(srcs, tgts):
-            if len(s) > cfg.src_len or len(t) > cfg.tgt_len:
-                truncated += 1
-            examples.append(Example(_clip(s, cfg.src_len, eos), _clip(t, cfg.tgt_len, eos)))
-    else:
-        texts = tokenizer([r[fields[-1]] for r in rows], add_special_tokens=False)["input_ids"]
-        prompts = tokenizer([r[fields[0]] for r in rows], add_special_tokens=False)["input_ids"] \
-            if len(fields) == 2 else [[] for _ in rows]
-        for prompt, text in zip(prompts, texts):
-            example, cut = _causal_example(list(prompt), list(text) + ([eos] if eos is not None else []), cfg.seq_len)
-            truncated += cut
-            examples.append(example)
-    return Dataset(task, examples, truncated=truncated, source=source, raw=rows)
+    fields = rows.fields
+
+    def encode(batch: dict[str, list]) -> dict[str, list]:
+        out: dict[str, list] = {"input_ids": [], "labels": [], "length": [], "truncated": []}
+
+        def add(example: Example, cut: bool) -> None:
+            out["input_ids"].append(example.input_ids)
+            out["labels"].append(example.labels)
+            out["length"].append(len(example.input_ids) + (len(example.labels) if task == SEQ2SEQ else 0))
+            out["truncated"].append(cut)
+
+        if task == SEQ2SEQ:
+            srcs = tokenizer(batch[fields[0]], add_special_tokens=True)["input_ids"]
+            tgts = tokenizer(batch[fields[1]], add_special_tokens=True)["input_ids"]
+            for s, t in zip(srcs, tgts):
+                add(Example(_clip(s, cfg.src_len, eos), _clip(t, cfg.tgt_len, eos)),
+                    len(s) > cfg.src_len or len(t) > cfg.tgt_len)
+        elif isinstance(fields, ChatFields):
+            for messages in batch[fields[0]]:
+                ids, labels = render_chat(messages, tokenizer)
+                ids, labels, cut = ids[: cfg.seq_len], labels[: cfg.seq_len], len(ids) > cfg.seq_len
+                if any(y != IGNORE_INDEX for y in labels[1:]):  # else nothing to learn: left out (see `dropped`)
+                    add(Example(ids, labels), cut)
+        else:
+            texts = tokenizer(batch[fields[-1]], add_special_tokens=False)["input_ids"]
+            prompts = tokenizer(batch[fields[0]], add_special_tokens=False)["input_ids"] \
+                if len(fields) == 2 else [[] for _ in texts]
+            for prompt, text in zip(prompts, texts):
+                add(*_causal_example(list(prompt), list(text) + ([eos] if eos is not None else []), cfg.seq_len))
+        return out
+
+    lengths = (cfg.src_len, cfg.tgt_len) if task == SEQ2SEQ else (cfg.seq_len,)
+    with progress_bars(cfg.progress):
+        table = rows.table.select_columns(list(fields)).map(  # other columns are never read
+            encode, batched=True, remove_columns=list(fields), desc="tokenising",
+            load_from_cache_file=cfg.cache,
+            new_fingerprint=_fingerprint(rows.table, tokenizer, "tokenise", task, tuple(fields), lengths,
+                                         type(fields).__name__))
+        truncated = sum(table["truncated"]) if len(table) else 0
+        dropped = len(rows.table) - len(table)
+        packed_from = None
+        if pack:
+            packed_from = len(table)
+            table = pack_examples(table, cfg.seq_len, tokenizer.pad_token_id, use_cache=cfg.cache)
+    return Dataset(task, ArrowExamples(table), truncated=truncated, source=rows.source, raw=rows,
+                   dropped=dropped, packed_from=packed_from)
+
+
+def _fingerprint(table, tokenizer, *parts: Any) -> str:
+    """A map's cache key: the input table's, the tokenizer's (vocabulary and chat template) and the options.
+    Explicit, because hashing the closure can fall back to a random hash and never hit the cache."""
+    from datasets.fingerprint import Hasher
+
+    return Hasher.hash([table._fingerprint, Hasher.hash(tokenizer), getattr(tokenizer, "chat_template", None),
+                        *parts])
+
+
+def chat_tokenizer(tokenizer, template_file: str | None, source: str) -> None:
+    """Give the tokenizer --chat-template's template (exported with it in final/); refuse chat data without one."""
+    if template_file:
+        tokenizer.chat_template = Path(template_file).read_text(encoding="utf-8")
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(f"{source} holds chat '{MESSAGES_FIELD}' rows but the model's tokenizer has no chat template: "
+                        "give one with --chat-template FILE.jinja")
+
+
+def render_chat(messages: list[dict[str, str]], tokenizer) -> tuple[list[int], list[int]]:
+    """input_ids of the conversation rendered by the chat template, and labels that are those ids inside the
+    assistant turns and IGNORE_INDEX elsewhere.
+
+    An assistant turn's text is what rendering messages[:k+1] adds to messages[:k] with the generation
+    prompt (so its end-of-turn marker is learnt, the role header is not). The rendered text is tokenised
+    piece by piece at those boundaries, which chat templates mark with special tokens."""
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                  and isinstance(m.get("content"), str) for m in messages):
+        raise DataError(f"a '{MESSAGES_FIELD}' row must be a list of {{role, content}} objects with text values; "
+                        f"got {str(messages)[:80]}")
+
+    def render(part: list[dict[str, str]], prompt: bool = False) -> str:
+        return tokenizer.apply_chat_template(part, tokenize=False, add_generation_prompt=prompt)
+
+    full, pieces, at = render(messages), [], 0
+    for k, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before, through = render(messages[:k], prompt=True), render(messages[: k + 1])
+        if not (full.startswith(through) and through.startswith(before) and len(before) >= at):
+            raise DataError("the chat template renders earlier turns differently once later turns follow, so the "
+                            "assistant turns cannot be found: give a --chat-template FILE that renders each turn "
+                            "the same way wherever it stands")
+        pieces += [(full[at:len(before)], False), (full[len(before):len(through)], True)]
+        at = len(through)
+    pieces.append((full[at:], False))
+    ids: list[int] = []
+    labels: list[int] = []
+    for text, learn in pieces:
+        if text:
+            part = tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids += part
+            labels += part if learn else [IGNORE_INDEX] * len(part)
+    return ids, labels
+
+
+def pack_examples(table, seq_len: int, pad_id: int, *, use_cache: bool = True):
+    """Whole examples concatenated, in order, into rows of exactly seq_len tokens.
+
+    Each example's position ids restart at 0, which is how transformers finds the examples of a row
+    (varlen flash attention, or a block-diagonal mask for sdpa/eager): no token attends to another
+    example's. Each example's first label is ignored, as the unpacked loss never predicts a first
+    token. The rest of a row, shorter than the next example, is padding: its own block, no labels."""
+    def pack(batch: dict[str, list]) -> dict[str, list]:
+        out: dict[str, list] = {"input_ids": [], "labels": [], "position_ids": [], "length": [], "truncated": []}
+        row: tuple[list[int], list[int], list[int]] = ([], [], [])
+
+        def flush() -> None:
+            ids, labels, pos = row
+            fill = seq_len - len(ids)
+            out["input_ids"].append(ids + [pad_id] * fill)
+            out["labels"].append(labels + [IGNORE_INDEX] * fill)
+            out["position_ids"].append(pos + list(range(fill)))
+            out["length"].append(seq_len)
+            out["truncated"].append(False)
+
+        for ids, labels in zip(batch["input_ids"], batch["labels"]):
+            if row[0] and len(row[0]) + len(ids) > seq_len:
+                flush()
+                row = ([], [], [])
+            row[0].extend(ids)
+            row[1].extend([IGNORE_INDEX] + list(labels[1:]))
+            row[2].extend(range(len(ids)))
+        if row[0]:
+            flush()
+        return out
+
+    return table.map(pack, batched=True, batch_size=1000, remove_columns=table.column_names, desc="packing",
+                     load_from_cache_file=use_cache, new_fingerprint=_fingerprint(table, None, "pack", seq_len, pad_id))
 
 
 def _causal_example(prompt: list[int], text: list[int], limit: int) -> tuple[Example, bool]:
@@ -200,7 +364,14 @@ def _clip(ids: list[int], limit: int, eos: int | None) -> list[int]:
 
 
 def collate(examples: Sequence[Example], task: str, pad_id: int) -> dict[str, torch.Tensor]:
-    """Pad to the longest example in the batch (dynamic padding); label padding is ignored by the loss."""
+    """Pad to the longest example in the batch (dynamic padding); label padding is ignored by the loss.
+
+    Packed rows (full, with position ids) go without an attention mask: transformers then reads the
+    examples' boundaries from the position ids."""
+    if examples[0].position_ids is not None:
+        return {"input_ids": torch.tensor([e.input_ids for e in examples], dtype=torch.long),
+                "labels": torch.tensor([e.labels for e in examples], dtype=torch.long),
+                "position_ids": torch.tensor([e.position_ids for e in examples], dtype=torch.long)}
     width = max(len(e.input_ids) for e in examples)
     ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(examples), width), dtype=torch.long)
@@ -217,6 +388,13 @@ def collate(examples: Sequence[Example], task: str, pad_id: int) -> dict[str, to
         for i, e in enumerate(examples):
             labels[i, : len(e.labels)] = torch.tensor(e.labels)
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def loss_tokens(batch: dict[str, torch.Tensor], task: str) -> int:
+    """Tokens the loss is taken on: padding, prompts and (causal) each row's first token excluded, so
+    packed and unpacked batches of the same examples count the same."""
+    labels = batch["labels"][:, 1:] if task == CAUSAL else batch["labels"]
+    return int((labels != IGNORE_INDEX).sum())
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
@@ -269,11 +447,31 @@ def worst_case_batch(task: str, micro_batch: int, cfg: TrainConfig, vocab_size: 
     """A batch at the worst-case lengths: with data, its longest examples; else every sequence at the maximum.
 
     A size that fits short batches can OOM an hour later on long ones, so the probe measures this one.
+    With --pack every batch is full: rows of --seq-len tokens holding several examples, as training sees them.
     """
+    if cfg.pack and task == CAUSAL:
+        return collate([_packed_row(vocab_size, cfg.seq_len, cfg.seed + k) for k in range(micro_batch)], task, pad_id)
     if data is not None and data.source != "synthetic":
-        longest = sorted(range(len(data)), key=lambda i: len(data.examples[i].input_ids) + len(data.examples[i].labels))
+        sizes = example_lengths(data)
+        longest = sorted(range(len(data)), key=sizes.__getitem__)
         pick = [data.examples[longest[-1 - (k % len(longest))]] for k in range(micro_batch)]
         return collate(pick, task, pad_id)
     src = cfg.seq_len if task == CAUSAL else cfg.src_len
     synth = SyntheticExamples(task, vocab_size, src, cfg.tgt_len, cfg.seed)
     return collate([synth[k] for k in range(micro_batch)], task, pad_id)
+
+
+def example_lengths(data: Dataset) -> Sequence[int]:
+    if isinstance(data.examples, ArrowExamples):
+        return data.examples.lengths()
+    return [len(e.input_ids) + (len(e.labels) if data.task == SEQ2SEQ else 0) for e in data.examples]
+
+
+def _packed_row(vocab_size: int, seq_len: int, seed: int) -> Example:
+    """A full packed row of random tokens: examples of a quarter of the row each, so the attention runs the
+    packed path (a block-diagonal mask, or varlen flash attention) that training's rows take."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab_size, (seq_len,), generator=g).tolist()
+    part = max(1, seq_len // 4)
+    pos = [i % part for i in range(seq_len)]
+    return Example(ids, [IGNORE_INDEX if p == 0 else t for p, t in zip(pos, ids)], pos)

@@ -1,4 +1,8 @@
-"""metrics.jsonl: one JSON object per logged step, appended as training goes (readable mid-run)."""
+"""metrics.jsonl: one JSON object per logged step, appended as training goes (readable mid-run).
+
+With --report-to, each record also goes to TensorBoard (DIR/tensorboard/) and/or W&B (DIR/wandb/);
+metrics.jsonl stays the source `fitone report` reads.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from fitone.errors import DataError
 
@@ -14,8 +18,9 @@ from fitone.errors import DataError
 class MetricsLog:
     """Appends step records; on resume, drops records past the checkpoint so the curve has no repeats."""
 
-    def __init__(self, path: Path | None, *, resume_step: int | None = None):
+    def __init__(self, path: Path | None, *, resume_step: int | None = None, sinks: list[Sink] | None = None):
         self.path = path
+        self.sinks = sinks or []
         if path is None:
             return
         if resume_step is not None and path.exists():
@@ -30,6 +35,85 @@ class MetricsLog:
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         with open(self.path, "a") as f:
             f.write(json.dumps(clean) + "\n")
+        for sink in self.sinks:
+            sink.write(int(record.get("step", 0)), _scalars(record))
+
+    def close(self) -> None:
+        for sink in self.sinks:
+            sink.close()
+        self.sinks = []
+
+
+class Sink(Protocol):
+    def write(self, step: int, scalars: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _scalars(record: dict[str, Any]) -> dict[str, float]:
+    """A record's numbers under TensorBoard-style names: train/loss ..., or eval/loss ... for a held-out score."""
+    held_out = "eval_loss" in record
+    out = {}
+    for key, value in record.items():
+        if key == "step" or isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        out[f"eval/{key.removeprefix('eval_')}" if held_out else f"train/{key}"] = float(value)
+    return out
+
+
+def open_sinks(names: list[str], out: Path, config: dict[str, Any], *, resume_step: int = 0) -> list[Sink]:
+    """The --report-to loggers, each given the run's config once."""
+    sinks: list[Sink] = []
+    for name in names:
+        sinks.append(TensorBoardSink(out / "tensorboard", config, resume_step) if name == "tensorboard"
+                     else WandbSink(out, config, resume_step))
+    return sinks
+
+
+class TensorBoardSink:
+    def __init__(self, log_dir: Path, config: dict[str, Any], resume_step: int):
+        from torch.utils.tensorboard import SummaryWriter
+
+        # on resume, TensorBoard hides what an older file logged past the checkpoint, as metrics.jsonl drops it
+        self.writer = SummaryWriter(str(log_dir), purge_step=resume_step + 1 if resume_step else None)
+        self.writer.add_text("config", "```\n" + json.dumps(config, indent=2, default=str) + "\n```",
+                             global_step=resume_step)
+
+    def write(self, step: int, scalars: dict[str, float]) -> None:
+        for tag, value in scalars.items():
+            self.writer.add_scalar(tag, value, global_step=step)
+        self.writer.flush()  # readable mid-run, as metrics.jsonl is
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    """W&B in DIR/wandb/; offline (sync later with `wandb sync`) unless WANDB_MODE says otherwise or the
+    W&B server answers."""
+
+    def __init__(self, out: Path, config: dict[str, Any], resume_step: int):
+        import wandb
+
+        mode = os.environ.get("WANDB_MODE") or ("online" if _reachable("api.wandb.ai") else "offline")
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "fitone"), dir=str(out), config=config,
+                              mode=mode, name=out.name, resume="allow" if resume_step else None)
+
+    def write(self, step: int, scalars: dict[str, float]) -> None:
+        self.run.log(scalars, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+def _reachable(host: str, port: int = 443, timeout: float = 1.0) -> bool:
+    import socket
+
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

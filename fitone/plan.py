@@ -705,6 +705,10 @@ def _make_plan(cfg: TrainConfig, *, gpus: int, gpu_limit: int | None, gpu_limit_
     cfg = cfg.replace(precision=resolve_precision(cfg.precision, on_gpu))  # an 'auto' precision, as training picks it
     shape, notes = model_shape(cfg)
     lengths = Lengths(cfg.src_len, cfg.tgt_len) if shape.encoder_decoder else Lengths(cfg.seq_len, cfg.seq_len)
+    if cfg.pack and shape.encoder_decoder:
+        raise ConfigError(f"--pack is for causal LMs; {cfg.model} is seq2seq: drop --pack")
+    if cfg.pack:  # the lengths above are the worst case of padded batches, and every packed batch's
+        notes = [*notes, f"--pack: every batch is full ({cfg.seq_len} tokens per row), so every step takes this memory"]
     auto = cfg.batch_size == "auto"
     from fitone.ds_config import build_ds_config, update_mode
 

@@ -268,7 +268,8 @@ class ProbeSession:
         self.batch_tokens = {k: int(first[k].shape[1]) for k in ("input_ids", "labels")}
         lengths = (f"{self.batch_tokens['input_ids']} tokens" if self.task == CAUSAL
                    else f"{self.batch_tokens['input_ids']} input + {self.batch_tokens['labels']} target tokens")
-        where = f"the longest examples of {cfg.data}" if self.data is not None else "every sequence at the maximum"
+        where = f"the longest examples of {cfg.data}" if self.data is not None else \
+            "full packed rows" if cfg.pack and self.task == CAUSAL else "every sequence at the maximum"
         say(f"worst-case batch: {where} ({lengths} each)")
         if device != "cuda":
             say("on the CPU: peak GPU memory is not measurable (recorded as None) and nothing runs out of "
@@ -280,6 +281,7 @@ class ProbeSession:
         start = time.perf_counter()
         with unforeseen_oom("model build", verbose=cfg.verbose):
             self.model = build_random_model(self.config, self.device, DTYPES[cfg.precision], cfg.seed)
+        self.model.config.use_cache = False  # as in training (packed rows are only seen without a KV cache)
         if cfg.activation_checkpointing:
             enable_activation_checkpointing(self.model)
         if self.on_model is not None:
@@ -301,7 +303,7 @@ class ProbeSession:
     def _worst_case_source(self) -> tuple[Dataset | None, int]:
         """With a data file: its examples (the probe takes the longest). Else None: every sequence at the max."""
         cfg, config = self.cfg, self.config
-        if cfg.data in NAMED_SOURCES:
+        if cfg.data in NAMED_SOURCES or (cfg.pack and self.task == CAUSAL):  # packed: every row is full anyway
             return None, config.pad_token_id if config.pad_token_id is not None else 0
         tokenizer = load_tokenizer(cfg.model, config)
         return load_dataset(cfg, self.task, tokenizer, config.vocab_size), tokenizer.pad_token_id
@@ -397,7 +399,9 @@ class ProbeSession:
             "model": cfg.model, "from_scratch": cfg.from_scratch, "task": self.task, "params": self.n_params,
             **lengths, "batch_input_tokens": self.batch_tokens["input_ids"],
             "batch_target_tokens": None if self.task == CAUSAL else self.batch_tokens["labels"],
-            "data": cfg.data, "worst_case": "longest examples" if self.data is not None else "maximum lengths",
+            "data": cfg.data, "pack": cfg.pack,
+            "worst_case": "longest examples" if self.data is not None else
+            "packed rows" if cfg.pack and self.task == CAUSAL else "maximum lengths",
             "precision": cfg.precision, "activation_checkpointing": cfg.activation_checkpointing,
             "offload": cfg.offload, "update": self.update, "pipelined_update": cfg.pipelined_update,
             "ds_config": cfg.ds_config,
@@ -496,13 +500,17 @@ def probe_key(cfg: TrainConfig, config, device: str) -> dict[str, Any]:
 
 
 def _data_key(cfg: TrainConfig) -> Any:
+    if cfg.pack:  # full rows whatever the data (a seq2seq model refuses --pack before this)
+        return "packed rows"
     if cfg.data in NAMED_SOURCES:
         return "maximum lengths"
     path = Path(cfg.data)
     stat = path.stat() if path.exists() else None
     return {"path": str(path.resolve()), "mtime_ns": stat.st_mtime_ns if stat else None,
             "size": stat.st_size if stat else None,
-            "fields": [cfg.source_field, cfg.target_field, cfg.text_field, cfg.prompt_field]}
+            "fields": [cfg.source_field, cfg.target_field, cfg.text_field, cfg.prompt_field],
+            **({"split": cfg.data_split, "config": cfg.data_config} if not path.exists() else {}),
+            **({"chat_template": _digest(Path(cfg.chat_template).read_bytes())} if cfg.chat_template else {})}
 
 
 def _digest(data: str | bytes) -> str:
@@ -564,7 +572,7 @@ def _measured(result: ProbeResult) -> str:
 
 
 def _recipe_values(meta: dict[str, Any]) -> dict[str, Any]:
-    names = ("model", "from_scratch", "data", "src_len", "tgt_len", "seq_len", "precision",
+    names = ("model", "from_scratch", "data", "pack", "src_len", "tgt_len", "seq_len", "precision",
              "activation_checkpointing", "offload", "max_gpu_memory", "device")
     values = {k: meta[k] for k in names if meta.get(k) is not None}
     # the optimizer step, only where the default would take another one (a saved probe serves both a

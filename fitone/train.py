@@ -22,13 +22,13 @@ import torch
 
 from fitone import checkpoint, memory
 from fitone.config import TrainConfig, gib
-from fitone.data import (Dataset, batches, data_file, load_dataset, read_jsonl, require_one_batch, resume_position,
-                         steps_per_epoch)
+from fitone.data import (ChatFields, Dataset, batches, data_file, load_dataset, loss_tokens, open_data,
+                         require_one_batch, resume_position, steps_per_epoch)
 from fitone.ds_config import build_ds_config, read_user_config, update_mode
 from fitone.engine import DistInfo, Engine, cpu_adam_built, overlap_options, resolve_device, start_runtime
 from fitone.errors import ConfigError, MemoryBudgetError, RunDirError, TrainingAborted
 from fitone.guards import BadStepStreak, HostMemoryWatch, StopRequest, is_loss_scale_collapse, numerics_advice
-from fitone.metrics import MetricsLog
+from fitone.metrics import MetricsLog, open_sinks
 from fitone.models import (CAUSAL, SEQ2SEQ, LoadedModel, check_seq_len, enable_activation_checkpointing, load_config,
                            load_model, task_of)
 from fitone.plan import unforeseen_oom
@@ -183,19 +183,26 @@ class Trainer:
             read_user_config(cfg.ds_config)
         if cfg.batch_size != "auto":
             cfg.accumulation(int(cfg.batch_size), int(os.environ.get("WORLD_SIZE", "1")))
-        found = data_file(cfg, task)  # also refuses --prompt-field on a seq2seq model
-        self._rows = read_jsonl(*found) if found else None  # read once: checked now, tokenised after the model
+        # opened (converted to Arrow once, memory-mapped) and checked now, tokenised after the model; this also
+        # refuses --prompt-field and --pack on a seq2seq model
+        self._rows = open_data(cfg, task)
+        if self._rows is not None and isinstance(self._rows.fields, ChatFields):
+            from fitone.data import chat_tokenizer
+            from fitone.models import load_tokenizer
+
+            chat_tokenizer(load_tokenizer(cfg.model, config), cfg.chat_template, self._rows.source)
         held_out = data_file(cfg, task, split="eval")
         if cfg.eval_every and held_out is None:
             raise ConfigError(f"--eval-every needs held-out data and --data {cfg.data} has none: "
                               "add --eval-data FILE.jsonl")
         self._eval_fields = held_out[1] if held_out else ()  # exact match compares a seq2seq row's second
         # a user's held-out file is read (and so checked) now too; config validation ensured eval_examples > 0
-        self._eval_rows = read_jsonl(*held_out, flag="--eval-data") if cfg.eval_data else None
+        self._eval_rows = open_data(cfg, task, split="eval") if cfg.eval_data else None
 
     def _setup_model(self) -> None:
         cfg = self.cfg
         self.loaded: LoadedModel = load_model(cfg.model, from_scratch=cfg.from_scratch, seed=cfg.seed)
+        self.loaded.model.config.use_cache = False  # training needs no KV cache; with one, packed rows go unseen
         if cfg.activation_checkpointing:
             enable_activation_checkpointing(self.loaded.model)
 
@@ -209,8 +216,14 @@ class Trainer:
         if self.data.truncated:
             limits = (f"--seq-len {cfg.seq_len}" if m.task == CAUSAL
                       else f"--src-len {cfg.src_len} / --tgt-len {cfg.tgt_len}")
-            self._say(f"{self.data.truncated} of {len(self.data)} examples were longer than {limits} and were "
+            examples = self.data.packed_from or len(self.data)
+            self._say(f"{self.data.truncated} of {examples} examples were longer than {limits} and were "
                       "truncated (raise the limits to keep them whole)")
+        if self.data.dropped:
+            self._say(f"{self.data.dropped} conversations have no assistant tokens within --seq-len {cfg.seq_len} "
+                      "and were left out (nothing to learn from them)")
+        if self.data.packed_from is not None:
+            self._say(f"packed {self.data.packed_from} examples into {len(self.data)} rows of {cfg.seq_len} tokens")
 
     def _resolve_batch_size(self) -> int:
         if self.cfg.batch_size != "auto":
@@ -274,8 +287,9 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         checkpoint.remove_partial(self.out)
         (self.out / "config.json").write_text(_json(cfg.to_dict()))
-        self.metrics = MetricsLog(self.out / "metrics.jsonl",
-                                  resume_step=self.state["step"] if self.resume_from else 0)
+        resume_step = self.state["step"] if self.resume_from else 0
+        self.metrics = MetricsLog(self.out / "metrics.jsonl", resume_step=resume_step,
+                                  sinks=open_sinks(cfg.report_sinks, self.out, cfg.to_dict(), resume_step=resume_step))
 
     # -- the loop -------------------------------------------------------------------------------
     def train(self) -> TrainResult:
@@ -295,9 +309,10 @@ class Trainer:
             with StopRequest() as stop:
                 while self.state["step"] < self.total_steps:
                     t0 = time.perf_counter()
-                    step_loss = 0.0
+                    step_loss, tokens = 0.0, 0
                     for _ in range(self.accum):  # one optimizer step = accum micro-batches
                         epoch, b, batch = next(stream)
+                        tokens += loss_tokens(batch, self.loaded.task)
                         loss = self._micro_step(batch, epoch, b)
                         step_loss += loss / self.accum
                     step_loss = self._mean_over_ranks(step_loss)  # the loss of the whole global batch
@@ -309,7 +324,7 @@ class Trainer:
                     times.append(dt)
                     lrs.append(engine.lr)
                     peak_rss = max(peak_rss, memory.host_rss_bytes())
-                    self._log_step(step_loss, dt, samples_per_step, peak_rss, bar)
+                    self._log_step(step_loss, dt, samples_per_step, peak_rss, bar, tokens * self.dist.world_size)
                     self._save_or_stop(step_loss, stop, host_watch)
                     if cfg.eval_every and self.state["step"] % cfg.eval_every == 0 \
                             and self.state["step"] < self.total_steps:  # the last step's comes after the export
@@ -398,11 +413,12 @@ class Trainer:
             raise
         return float(loss.detach().float().item())
 
-    def _log_step(self, loss: float, dt: float, samples_per_step: int, peak_rss: int, bar) -> None:
+    def _log_step(self, loss: float, dt: float, samples_per_step: int, peak_rss: int, bar, tokens: int) -> None:
         engine = self.engine
         record = {
             "step": self.state["step"], "loss": loss, "lr": engine.lr, "step_s": dt,
-            "samples_per_s": samples_per_step / dt, "gpu_peak_gib": gib(memory.gpu_peak_bytes()),
+            "samples_per_s": samples_per_step / dt, "tokens_per_s": tokens / dt,
+            "gpu_peak_gib": gib(memory.gpu_peak_bytes()),
             "host_rss_gib": gib(memory.host_rss_bytes()), "epoch": self.state["epoch"],
             "skipped_steps": engine.skipped_steps,
         }
@@ -539,6 +555,8 @@ class Trainer:
 
     def cleanup(self) -> None:
         """Tear the engine down (also after an error) so the process can train again."""
+        if getattr(self, "metrics", None) is not None:
+            self.metrics.close()  # TensorBoard/W&B files flushed, also after an error
         if self.engine is not None:
             self.engine.close()
             self.engine = None

@@ -6,7 +6,7 @@ import pytest
 from transformers import ByT5Tokenizer
 
 from fitone.config import TrainConfig
-from fitone.data import IGNORE_INDEX, batches, collate, load_dataset, read_jsonl, worst_case_batch
+from fitone.data import IGNORE_INDEX, batches, collate, load_dataset, open_data, worst_case_batch
 from fitone.errors import ConfigError, DataError
 from fitone.models import CAUSAL, SEQ2SEQ
 
@@ -17,29 +17,38 @@ def _cfg(**kw):
     return TrainConfig(model="t5-tiny", **kw)
 
 
+def read_rows(path, fields):
+    """Open and check a data file as a run does (seq2seq: source/target; causal: text)."""
+    task = SEQ2SEQ if len(fields) == 2 else CAUSAL
+    return open_data(_cfg(data=str(path), progress=False), task)
+
+
 @pytest.mark.parametrize("lines,fragment", [
     (['{"source": "a", "target": "b"}', "{oops"], ":2: not valid JSON"),
-    (['{"source": "a"}'], ":1: missing field 'target'.*--target-field"),
-    (['{"source": "a", "target": 3}'], ":1: field 'target' must be text"),
-    (['[1, 2]'], ":1: expected a JSON object"),
+    (['{"source": "a"}'], r"has no field 'target' \(its fields: source\).*--target-field"),
+    (['{"source": "a", "target": "b"}', '{"source": "c"}'], r"example 2: missing field 'target'.*--target-field"),
+    (['{"source": "a", "target": 3}'], "example 1: field 'target' must be text, got int"),
+    (['{"source": "a", "target": "b"}', '{"source": "a", "target": [3]}'], "example 2: field 'target' must be "
+                                                                              "text, got list"),
+    (['{"source": "a", "target": "b"}', '[1, 2]'], ":2: expected a JSON object"),
     (["", "  "], "holds no examples"),
 ])
 def test_malformed_jsonl_names_file_and_line(tmp_path, lines, fragment):
     f = tmp_path / "d.jsonl"
     f.write_text("\n".join(lines) + "\n")
     with pytest.raises(DataError, match=fragment):
-        read_jsonl(f, ("source", "target"))
+        read_rows(f, ("source", "target"))
 
 
 def test_missing_and_directory_and_binary(tmp_path):
     with pytest.raises(DataError, match="does not exist"):
-        read_jsonl(tmp_path / "nope.jsonl", ("text",))
+        read_rows(tmp_path / "nope.jsonl", ("text",))
     with pytest.raises(DataError, match="is a directory"):
-        read_jsonl(tmp_path, ("text",))
+        read_rows(tmp_path, ("text",))
     bad = tmp_path / "bin.jsonl"
     bad.write_bytes(b"\xff\xfe\x00")
     with pytest.raises(DataError, match="UTF-8"):
-        read_jsonl(bad, ("text",))
+        read_rows(bad, ("text",))
 
 
 def test_custom_field_names_and_truncation_count(tmp_path):
@@ -87,7 +96,7 @@ def test_a_prompt_field_is_fed_but_not_trained_on(tmp_path):
     assert batch["labels"][1].tolist() == long_.labels
     plain = tmp_path / "plain.jsonl"
     plain.write_text(json.dumps({"answer": "x"}) + "\n")
-    with pytest.raises(DataError, match=r":1: missing field 'instruction'.*--prompt-field"):
+    with pytest.raises(DataError, match=r"has no field 'instruction' \(its fields: answer\).*--prompt-field"):
         load_dataset(_cfg(data=str(plain), prompt_field="instruction", text_field="answer"), CAUSAL, TOK, 384)
     with pytest.raises(ConfigError, match="name two different fields"):
         _cfg(prompt_field="text")

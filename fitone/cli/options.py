@@ -18,16 +18,25 @@ _DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
 FLAGS: dict[str, tuple[Any, str]] = {
     "model": (str, "hub id, local dir, or (with --from-scratch) a shipped architecture name"),
     "from_scratch": (bool, "build the architecture from a shipped config with random weights"),
-    "data": (str, "a JSONL file, 'sample' (shipped numbers-to-words task) or 'synthetic' (random tokens)"),
-    "source_field": (str, "JSONL field holding the seq2seq input"),
-    "target_field": (str, "JSONL field holding the seq2seq output"),
-    "text_field": (str, "JSONL field holding the causal-LM text (the part the loss is taken on)"),
-    "prompt_field": (str, "causal LM: a JSONL field fed before the text but not trained on (instructions, "
+    "data": (str, "a .jsonl/.json, .csv or .parquet file or glob, a save_to_disk directory, a hub dataset id, "
+                  "'sample' (shipped numbers-to-words task) or 'synthetic' (random tokens)"),
+    "data_split": (str, "the split of a hub dataset (or a save_to_disk DatasetDict) to train on (default train)"),
+    "data_config": (str, "the configuration (subset) of a hub dataset"),
+    "chat_template": (str, "a Jinja chat template file, for chat 'messages' rows when the tokenizer has none"),
+    "pack": (bool, "causal LM: concatenate whole examples into full --seq-len rows; no example attends to "
+                   "another (position ids restart per example)"),
+    "cache": (bool, "reuse datasets' cache of converted and tokenised data (--no-cache: redo both)"),
+    "source_field": (str, "field holding the seq2seq input"),
+    "target_field": (str, "field holding the seq2seq output"),
+    "text_field": (str, "field holding the causal-LM text (the part the loss is taken on)"),
+    "prompt_field": (str, "causal LM: a field fed before the text but not trained on (instructions, "
                           "prompts)"),
     "src_len": (int, "seq2seq: longest input in tokens; longer inputs are truncated"),
     "tgt_len": (int, "seq2seq: longest target in tokens; longer targets are truncated"),
     "seq_len": (int, "causal LM: longest text in tokens; longer texts are truncated"),
-    "eval_data": (str, "held-out JSONL (same fields as --data) scored at the end; 'sample' brings its own"),
+    "eval_data": (str, "held-out data (same fields and kinds as --data) scored at the end; 'sample' brings "
+                       "its own"),
+    "eval_split": (str, "--eval-data's split, for a hub id or DatasetDict (default validation, else test)"),
     "eval_examples": (int, "held-out examples scored at the end, the first N of the eval file (0: none)"),
     "eval_every": (int, "also score them every N optimizer steps (logged to metrics.jsonl, drawn by report)"),
     "batch_size": (str, "per-GPU micro-batch, or 'auto' to probe for the largest that fits"),
@@ -61,6 +70,8 @@ FLAGS: dict[str, tuple[Any, str]] = {
     "resume": (bool, "continue from the newest complete checkpoint in --out"),
     "overwrite": (bool, "replace an existing run directory"),
     "log_every": (int, "log every N steps"),
+    "report_to": (str, "also log metrics, held-out scores and the config to tensorboard, wandb, or "
+                       "tensorboard,wandb (under --out; wandb runs offline without network)"),
     "verbose": (bool, "show DeepSpeed's own log lines"),
     "progress": (bool, "show a progress bar"),
     "preflight": (bool, "check host RAM against the plan before building the engine (--no-preflight skips)"),

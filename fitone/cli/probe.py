@@ -7,7 +7,8 @@ import argparse
 from fitone.cli.options import add_config_flags, add_recipe_arguments, config_from_args
 
 # the train options that decide memory (and --global-batch, to split into micro-batch x accumulation)
-PROBE_FLAGS = ["model", "from_scratch", "data", "source_field", "target_field", "text_field", "prompt_field",
+PROBE_FLAGS = ["model", "from_scratch", "data", "data_split", "data_config", "chat_template", "pack", "source_field",
+               "target_field", "text_field", "prompt_field",
                "src_len", "tgt_len", "seq_len", "global_batch", "precision", "activation_checkpointing", "offload",
                "pipelined_update", "ds_config", "max_gpu_memory", "expandable_segments", "device", "seed", "verbose",
                "preflight"]

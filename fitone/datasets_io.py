@@ -1,0 +1,221 @@
+"""Open a --data / --eval-data source as a memory-mapped Arrow table through the `datasets` library.
+
+A source is a .jsonl/.json, .csv or .parquet file or glob, a directory written by `save_to_disk`, or a hub
+dataset id. Files are converted once into Arrow files in datasets' cache and read from there by memory
+map, so a corpus larger than RAM is never read into it. Every problem a user can fix is one DataError line.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+from fitone.errors import DataError
+
+BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+EVAL_SPLITS = ("validation", "test")  # tried in this order when --eval-data is a hub id or a DatasetDict
+
+
+def open_rows(spec: str, *, flag: str = "--data", split: str | None = "train", config_name: str | None = None,
+              text_fields: Sequence[str] = (), use_cache: bool = True, progress: bool = True):
+    """The rows of `spec` as a `datasets.Dataset` (not read into memory). `split` None: the first of
+    EVAL_SPLITS that exists. `text_fields` are read as text from a CSV (so '007' stays '007')."""
+    with _quiet_datasets(progress):
+        path = Path(spec).expanduser()
+        if any(c in spec for c in "*?["):
+            files = sorted(glob.glob(str(path), recursive=True))
+            if not files:
+                raise DataError(f"{flag} {spec} matches no files: check the pattern")
+            rows = _load_files(files, spec, flag, text_fields, use_cache)
+        elif path.is_dir():
+            rows = _load_saved(path, flag, split)
+        elif path.exists() or path.suffix.lower() in BUILDERS or spec.startswith((".", "/", "~")):
+            rows = _load_files([str(path)], spec, flag, text_fields, use_cache)
+        else:
+            rows = _load_hub(spec, flag, split, config_name, use_cache)
+    if len(rows) == 0:
+        raise DataError(f"{flag} {_what(flag, spec)} holds no examples; add rows with the fields your options name")
+    return rows
+
+
+def _what(flag: str, spec: str) -> str:
+    return f"file {spec}" if Path(spec).suffix.lower() in BUILDERS else spec
+
+
+def _load_files(files: list[str], spec: str, flag: str, text_fields: Sequence[str], use_cache: bool):
+    import datasets
+
+    suffixes = {Path(f).suffix.lower() for f in files}
+    unknown = suffixes - BUILDERS.keys()
+    if unknown or len({BUILDERS[s] for s in suffixes}) != 1:
+        choices = ", 'sample' or 'synthetic'" if flag == "--data" else ""
+        raise DataError(f"{flag} {spec}: give .jsonl/.json, .csv or .parquet files of one kind{choices} "
+                        f"(got {', '.join(sorted(suffixes)) or 'no extension'})")
+    for f in files:
+        p = Path(f)
+        if not p.exists():
+            choices = ", 'sample' or 'synthetic'" if flag == "--data" else ""
+            raise DataError(f"{flag} file {f} does not exist: give a JSONL path{choices}")
+        if not os.access(p, os.R_OK):
+            raise DataError(f"cannot read {flag} file {f}: permission denied; check its permissions")
+    builder = BUILDERS[suffixes.pop()]
+    extra: dict = {}
+    if builder == "csv":
+        extra["converters"] = {name: str for name in text_fields}
+    if builder == "parquet":  # one row group at a time: pre-buffering reads far ahead of the conversion
+        import pyarrow.dataset as pds
+
+        extra["fragment_scan_options"] = pds.ParquetFragmentScanOptions(pre_buffer=False)
+    try:
+        rows = datasets.load_dataset(builder, data_files=files, split="train",
+                                     download_mode=None if use_cache else "force_redownload", **extra)
+        import pyarrow as pa
+
+        pa.default_memory_pool().release_unused()  # the conversion's buffers: the rows are memory-mapped now
+        return rows
+    except ValueError as exc:
+        if "corresponds to no data" in str(exc):  # every file was empty
+            raise DataError(f"{flag} file {spec} holds no examples; add rows with the fields your options name") \
+                from exc
+        raise
+    except Exception as exc:
+        if builder == "json":
+            for f in files:
+                _explain_json(Path(f), text_fields, flag)
+        cause = exc.__cause__ or exc
+        raise DataError(f"{flag} {spec} cannot be read as {builder} ({type(cause).__name__}: "
+                        f"{str(cause).splitlines()[0] if str(cause) else ''}); fix the file or convert it") from exc
+
+
+def _load_saved(path: Path, flag: str, split: str | None):
+    import datasets
+
+    if not ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
+        raise DataError(f"{flag} path {path} is a directory: give a JSONL file (or .csv/.parquet, or a glob "
+                        "like DIR/*.parquet), or a directory written by save_to_disk")
+    loaded = datasets.load_from_disk(str(path))
+    return _pick_split(loaded, str(path), flag, split)
+
+
+def _load_hub(spec: str, flag: str, split: str | None, config_name: str | None, use_cache: bool):
+    import datasets
+
+    try:
+        loaded = datasets.load_dataset(spec, config_name, split=split,
+                                       download_mode=None if use_cache else "force_redownload")
+    except Exception as exc:  # offline, unknown id, gated: all the same to the user
+        offline = os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("HF_DATASETS_OFFLINE") == "1"
+        reason = "offline and not in the local cache" if offline or isinstance(exc, ConnectionError) \
+            else f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        raise DataError(f"{flag} {spec}: no such file, and the hub dataset cannot be loaded ({reason}): give a "
+                        "local .jsonl/.csv/.parquet file or save_to_disk directory, or load the id once with "
+                        "network (then --data-split/--data-config pick its part)") from exc
+    return _pick_split(loaded, spec, flag, split)
+
+
+def _pick_split(loaded, name: str, flag: str, split: str | None):
+    import datasets
+
+    if not isinstance(loaded, datasets.DatasetDict):
+        return loaded
+    for want in ([split] if split else list(EVAL_SPLITS)):
+        if want in loaded:
+            return loaded[want]
+    option = "--data-split" if flag == "--data" else "--eval-split"
+    raise DataError(f"{flag} {name} has no split {split or ' or '.join(EVAL_SPLITS)!r}; its splits are "
+                    f"{', '.join(loaded)}: pass {option} with one of them")
+
+
+def check_fields(rows, fields: Sequence[str], *, flag: str, name: str, flag_of: dict[str, str]) -> None:
+    """Every field is a text column without gaps; errors name the fields the data has."""
+    import pyarrow.compute as pc
+
+    have = rows.column_names
+    for field in fields:
+        if field not in have:
+            raise DataError(f"{flag} {name} has no field {field!r} (its fields: {', '.join(have)}): rename the "
+                            f"field or pass --{flag_of[field]} with the name your data uses")
+        dtype = getattr(rows.features[field], "dtype", type(rows.features[field]).__name__)
+        if dtype not in ("string", "large_string"):
+            _first_not_text(rows, field, name)
+        column = rows.data.column(field)
+        if column.null_count:  # Arrow keeps the count in its metadata: no rows are read for this
+            first = pc.index(pc.is_null(column), True).as_py() + 1
+            raise DataError(f"{name}: example {first}: missing field {field!r}; rename the field or pass "
+                            f"--{flag_of[field]} with the name your data uses")
+
+
+def _first_not_text(rows, field: str, name: str) -> None:
+    """Name the first example whose field is not text (read in batches: this is the error path only)."""
+    done = 0
+    for batch in rows.select_columns([field]).iter(batch_size=1000):
+        for i, value in enumerate(batch[field]):
+            if value is not None and not isinstance(value, str):
+                raise DataError(f"{name}: example {done + i + 1}: field {field!r} must be text, "
+                                f"got {type(value).__name__}")
+        done += len(batch[field])
+
+
+def _explain_json(path: Path, fields: Sequence[str], flag: str) -> None:
+    """The first bad line of a JSON Lines file that datasets could not load, streamed (not read whole)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            if f.read(1) == "[":
+                return  # a JSON array, not JSON Lines: the builder's own message stands
+            f.seek(0)
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    _check_line(path, lineno, line, fields)
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{flag} file {path} is not UTF-8 text; convert it to UTF-8 JSONL") from exc
+
+
+def _check_line(path: Path, lineno: int, line: str, fields: Sequence[str]) -> None:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg}); each line must be one JSON object") from exc
+    if not isinstance(row, dict):
+        raise DataError(f"{path}:{lineno}: expected a JSON object with fields {', '.join(fields)}")
+    for name in fields:
+        if name in row and not isinstance(row[name], str):
+            raise DataError(f"{path}:{lineno}: field {name!r} must be text, got {type(row[name]).__name__}")
+
+
+@contextmanager
+def _quiet_datasets(progress: bool) -> Iterator[None]:
+    """datasets logs a failed load at ERROR level before raising: fitone's one line says it instead."""
+    import datasets
+
+    logger = logging.getLogger("datasets")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    was_on = datasets.is_progress_bar_enabled()
+    if not progress:
+        datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+        if was_on:
+            datasets.enable_progress_bars()
+
+
+@contextmanager
+def progress_bars(on: bool) -> Iterator[None]:
+    """datasets' progress bars (tokenising, packing) only when the run shows one."""
+    import datasets
+
+    was_on = datasets.is_progress_bar_enabled()
+    if not on:
+        datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if was_on:
+            datasets.enable_progress_bars()
