@@ -1,0 +1,83 @@
+"""The pipelined update (fitone's default step on one GPU) on the GPU: its side stream, landing buffers and
+events, pinned host buffers and overlap_comm, against DeepSpeed's own step over 20 steps of gpt2.
+
+tests/test_overlap.py proves the arithmetic on the CPU in fp32; only here do the uploads run on a CUDA
+stream beside the next forward, and only here are the weights 16-bit numbers rounded from the masters.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import weights
+from gpu_lane import LR, gpu_engine, needs_cuda, record, train_step
+
+pytestmark = [pytest.mark.gpu, needs_cuda]
+
+STEPS = 20
+# unit roundoff u of the 16-bit weights: half the distance from 1 to the next number (2^-p, p the
+# significand's bits with the implicit one)
+UNIT_ROUNDOFF = {"fp16": 2.0**-11, "bf16": 2.0**-8}
+
+
+def comparable(name: str, weight: torch.Tensor) -> torch.Tensor:
+    """The elements of a parameter that get a gradient in exact arithmetic: all but GPT-2's key bias. That
+    one shifts every key's score for a query by the same q.b, which softmax ignores; its gradient is
+    rounding noise, which Adam scales up to steps of ~lr either way in any two runs that round differently."""
+    if name.endswith("attn.c_attn.bias"):  # [query | key | value]
+        query, _key, value = weight.float().chunk(3)
+        return torch.cat([query, value])
+    return weight.float()
+
+
+def run(precision: str, *, pipelined: bool) -> tuple[list[float], dict[str, torch.Tensor], int]:
+    """STEPS steps; returns the losses, the module's 16-bit weights at the end and the skipped steps."""
+    engine = gpu_engine(precision, pipelined=pipelined)
+    try:
+        if pipelined:
+            assert len(engine.overlap.chunks[0]) > 1  # several chunks: later ones land while the forward runs
+        assert engine.optimizer.single_partition_of_fp32_groups[0].is_pinned()  # what the uploads read
+        losses = [train_step(engine, step) for step in range(1, STEPS + 1)]
+        engine.sync_weights()
+        if pipelined:
+            assert engine.overlap.applied == STEPS - engine.skipped_steps
+        return losses, weights(engine), engine.skipped_steps
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_the_pipelined_update_gives_deepspeeds_losses_and_weights_on_the_gpu(precision):
+    """Tolerances, from the dtype's rounding. Both runs launch the same GPU kernels on the same batches;
+    what differs first is the CPU Adam (DeepSpeedCPUAdam's SIMD loop against PyTorch's fused AdamW with the
+    unscale and clip folded in), by a few fp32 roundings: the masters are a few ulp32 apart, and so the
+    16-bit weights now and then one rounding apart. From then on the 16-bit gradients, each within one
+    rounding (2u relative) of the other run's, feed Adam, whose step lr.m/sqrt(v) (|m/sqrt(v)| <= ~1)
+    moves by at most 2u for m and 2u for sqrt(v): each step adds at most 4u.lr to an element's gap.
+    - weights after N steps, each element: |a - b| <= 2u|b| (the last rounding) + 4u.lr.N; per tensor of
+      n elements (triangle inequality): ||a - b|| <= 2u||b|| + 4u.lr.N.sqrt(n).
+    - losses: every forward's weights are then within about one rounding of each other (lr.N ~ |w| here),
+      and a forward in 16 bits does not resolve its weights finer than one rounding (it rounds each by up
+      to u): each step's loss agrees to u relative. The loss is fp32 (transformers upcasts the logits), so
+      u is far above its own rounding step; a bound at that step would mean bit-identical.
+    A forward that read a chunk before its update landed would see weights one Adam step (~lr = 1e-3) away
+    in every element of it, and every step after would take that gradient: the loss, which falls by far
+    more than u per step (checked first), shows it at once, the weights by the end."""
+    u = UNIT_ROUNDOFF[precision]
+    want_losses, want, want_skipped = run(precision, pipelined=False)
+    got_losses, got, got_skipped = run(precision, pipelined=True)
+
+    assert want_losses[-1] < 0.8 * want_losses[0], want_losses  # every update moves the loss
+    loss_err = max(abs(g - w) / abs(w) for g, w in zip(got_losses, want_losses))
+    ratio = {}  # each tensor's gap over its bound
+    for name in want:
+        a, b = comparable(name, got[name]), comparable(name, want[name])
+        bound = 2 * u * float(b.norm()) + 4 * u * LR * STEPS * b.numel() ** 0.5
+        ratio[name] = float((a - b).norm()) / bound
+    worst = max(ratio, key=ratio.get)
+    record(f"pipelined_vs_deepspeed[{precision}]", unit_roundoff=u, max_loss_rel_err=loss_err, worst_weight=worst,
+           worst_weight_gap_over_bound=ratio[worst], skipped=[want_skipped, got_skipped],
+           losses_deepspeed=want_losses, losses_pipelined=got_losses)
+    assert got_skipped == want_skipped  # fp16: the same steps overflowed while the loss scale settled
+    assert loss_err <= u, (got_losses, want_losses)
+    assert ratio[worst] <= 1, f"{worst}: gap {ratio[worst]:.3g} x its bound"
