@@ -200,7 +200,8 @@ class TrainConfig:
         if self.resume and self.overwrite:
             raise ConfigError("give --resume or --overwrite, not both")
         if not 0 < self.host_mem_warn <= self.host_mem_stop <= 1:
-            raise ConfigError("host-memory thresholds need 0 < --host-mem-warn <= --host-mem-stop <= 1, e.g. 0.9 and 0.95")
+            raise ConfigError("host-memory thresholds need 0 < --host-mem-warn <= --host-mem-stop <= 1, "
+                              "e.g. 0.9 and 0.95")
         parse_size(self.max_gpu_memory, "--max-gpu-memory")
         if self.ds_config is not None and not Path(self.ds_config).is_file():
             raise ConfigError(f"--ds-config {self.ds_config}: no such file; give the path of a DeepSpeed JSON file")

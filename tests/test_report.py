@@ -45,7 +45,8 @@ def test_report_writes_the_three_pictures_and_a_summary_of_the_run(run, capsys):
     assert all(str(p) in printed for p in pictures)
     summary = summarize(read_run(out))
     assert summary.steps == result.steps == 8 and summary.records == 8
-    assert summary.first_loss == pytest.approx(result.losses[0]) and summary.last_loss == pytest.approx(result.losses[-1])
+    assert summary.first_loss == pytest.approx(result.losses[0])
+    assert summary.last_loss == pytest.approx(result.losses[-1])
     assert summary.min_loss == pytest.approx(min(result.losses))
     assert summary.peak_host_gib > 0 and summary.median_samples_per_s > 0
     assert summary.peak_gpu_gib == 0 and summary.skipped_steps == 0  # a CPU run

@@ -212,7 +212,7 @@ def test_resume_continues_the_uninterrupted_curve(tmp_path):
     assert resumed.resumed_from == 10
     assert resumed.steps == 10
     assert resumed.losses == pytest.approx(straight.losses[10:], rel=1e-5, abs=1e-6)
-    steps = [int(__import__("json").loads(l)["step"]) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [int(__import__("json").loads(line)["step"]) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 21))
 
 
