@@ -15,5 +15,5 @@ from fitone.train import TrainResult, train
 
 __version__ = "0.1.0"
 
-__all__ = ["TrainConfig", "TrainResult", "ProbeResult", "Plan", "plan", "FitoneError", "load_recipe", "train", "probe_batch",
-           "__version__"]
+__all__ = ["TrainConfig", "TrainResult", "ProbeResult", "Plan", "plan", "FitoneError", "load_recipe", "train",
+           "probe_batch", "__version__"]

@@ -215,7 +215,8 @@ class TrainConfig:
         if self.resume and self.overwrite:
             raise ConfigError("give --resume or --overwrite, not both")
         if not 0 < self.host_mem_warn <= self.host_mem_stop <= 1:
-            raise ConfigError("host-memory thresholds need 0 < --host-mem-warn <= --host-mem-stop <= 1, e.g. 0.9 and 0.95")
+            raise ConfigError("host-memory thresholds need 0 < --host-mem-warn <= --host-mem-stop <= 1, "
+                              "e.g. 0.9 and 0.95")
         parse_size(self.max_gpu_memory, "--max-gpu-memory")
         if self.chat_template is not None and not Path(self.chat_template).is_file():
             raise ConfigError(f"--chat-template {self.chat_template}: no such file; give a Jinja chat template file")

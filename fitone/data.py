@@ -75,7 +75,8 @@ class SyntheticExamples(Sequence[Example]):
     """Fixed-length random tokens, deterministic per index; costs no memory for a large count."""
 
     def __init__(self, task: str, vocab: int, src_len: int, tgt_len: int, seed: int, size: int = SYNTHETIC_SIZE):
-        self.task, self.vocab, self.src_len, self.tgt_len, self.seed, self.size = task, vocab, src_len, tgt_len, seed, size
+        self.task, self.vocab, self.seed, self.size = task, vocab, seed, size
+        self.src_len, self.tgt_len = src_len, tgt_len
 
     def __len__(self) -> int:
         return self.size

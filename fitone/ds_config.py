@@ -165,7 +165,8 @@ def read_user_config(path: str) -> dict[str, Any]:
 
         check_keys(zero, list(DeepSpeedZeroConfig.model_fields), f"zero_optimization of --ds-config {path}")
         if zero.get("stage", 2) != 2:
-            raise ConfigError(f"--ds-config {path} sets ZeRO stage {zero['stage']}; fitone runs stage 2: remove 'stage'")
+            raise ConfigError(f"--ds-config {path} sets ZeRO stage {zero['stage']}; fitone runs stage 2: "
+                              "remove 'stage'")
     return values
 
 

@@ -117,7 +117,8 @@ def _model_shape(name: str, from_scratch: bool) -> tuple[ModelShape, tuple[str, 
     heads = int(_first(config, ("num_heads", "num_attention_heads", "n_head"), max(1, hidden // 64)))
     head_dim = int(_first(config, ("d_kv", "head_dim"), hidden // heads))
     layers = int(_first(config, ("num_layers", "num_hidden_layers", "n_layer", "encoder_layers")))
-    family = "t5" if mtype in ("t5", "mt5") else "gpt2" if mtype == "gpt2" else "llama" if mtype in _LLAMA_LIKE else "generic"
+    family = ("t5" if mtype in ("t5", "mt5") else "gpt2" if mtype == "gpt2" else "llama" if mtype in _LLAMA_LIKE
+              else "generic")
     act = str(_first(config, ("dense_act_fn", "hidden_act", "activation_function"), "gelu"))
     dropout = any(float(_first(config, (n,), 0.0) or 0.0) > 0 for n in
                   ("dropout_rate", "resid_pdrop", "hidden_dropout", "dropout", "hidden_dropout_prob"))
@@ -553,7 +554,7 @@ def _deepspeed_estimate(n_params: int, gpus: int, offload: bool) -> dict[str, in
         # DeepSpeed's logger writes to stdout from import on; keep `fitone plan --json` one JSON object
         with contextlib.redirect_stdout(sys.stderr):
             from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
-    except Exception:  # noqa: BLE001 - an optional comparison; never the reason a plan fails
+    except Exception:  # an optional comparison; never the reason a plan fails
         return None
     host, gpu = estimate_zero2_model_states_mem_needs(n_params, num_gpus_per_node=gpus, num_nodes=1,
                                                       cpu_offload=offload)

@@ -372,7 +372,7 @@ class ProbeSession:
         try:
             self.engine.reset_after_oom()
             self._reset_unproven = True
-        except Exception as exc:  # noqa: BLE001 - any failure here means: start over with a fresh engine
+        except Exception as exc:  # any failure here means: start over with a fresh engine
             self.say(f"resetting the engine after an OOM failed ({type(exc).__name__}: {exc}); rebuilding it")
             self._rebuild()
 
@@ -394,7 +394,8 @@ class ProbeSession:
         import fitone
 
         cfg = self.cfg
-        lengths = ({"seq_len": cfg.seq_len} if self.task == CAUSAL else {"src_len": cfg.src_len, "tgt_len": cfg.tgt_len})
+        lengths = ({"seq_len": cfg.seq_len} if self.task == CAUSAL
+                   else {"src_len": cfg.src_len, "tgt_len": cfg.tgt_len})
         return {
             "model": cfg.model, "from_scratch": cfg.from_scratch, "task": self.task, "params": self.n_params,
             **lengths, "batch_input_tokens": self.batch_tokens["input_ids"],
@@ -484,7 +485,8 @@ def probe_key(cfg: TrainConfig, config, device: str) -> dict[str, Any]:
     import fitone
 
     values = {k: v for k, v in config.to_dict().items() if not k.startswith("_") and k != "transformers_version"}
-    lengths = {"seq_len": cfg.seq_len} if task_of(config) == CAUSAL else {"src_len": cfg.src_len, "tgt_len": cfg.tgt_len}
+    lengths = ({"seq_len": cfg.seq_len} if task_of(config) == CAUSAL
+               else {"src_len": cfg.src_len, "tgt_len": cfg.tgt_len})
     key: dict[str, Any] = {
         "model_config": _digest(json.dumps(values, sort_keys=True, default=str)),
         "precision": cfg.precision, "activation_checkpointing": cfg.activation_checkpointing,

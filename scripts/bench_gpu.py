@@ -551,7 +551,7 @@ def child_main(job: dict[str, Any]) -> int:
             rec.update(environment())
             emit(RECORD, rec)
             done.add(rec["batch_size"])
-    except Exception as exc:  # noqa: BLE001 - every failure must become a record the parent can show
+    except Exception as exc:  # every failure must become a record the parent can show
         traceback.print_exc()
         for size in job["sizes"]:
             if size not in done:
@@ -1133,7 +1133,7 @@ def measure_deepspeed(job: dict[str, Any]) -> Iterator[dict[str, Any]]:
             batch = make_batch(job, config, size, engine.device)
             reset_gpu_peak()
             rec = run_ds_steps(engine, batch, size, job, sync)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             if not failure_fields(exc)["oom"]:
                 raise
             yield {**base, **failure_fields(exc), **gpu_peaks(), "peak_host_gib": host_peak_gib()}
@@ -1358,7 +1358,7 @@ def measure_hf_auto_find(job: dict[str, Any]) -> Iterator[dict[str, Any]]:
             found = getattr(trainer, "_train_batch_size", None) or trainer.args.per_device_train_batch_size
             rec.update(outcome=f"trained at batch {found}", found_batch_size=found,
                        **summarise(timer.times[job["warmup"]:], None, found))
-        except Exception as exc:  # noqa: BLE001 - giving up (or an OOM it let through) is the result measured
+        except Exception as exc:  # giving up (or an OOM it let through) is the result measured
             if "executable batch size" not in str(exc) and not failure_fields(exc)["oom"]:
                 raise  # anything else is a harness or setup error, reported as such
             rec.update(outcome=f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}",
@@ -1391,7 +1391,7 @@ def measure_torch(job: dict[str, Any]) -> Iterator[dict[str, Any]]:
                                 weight_decay=cfg.weight_decay)
         init_s = round(time.perf_counter() - t0, 2)
         init_peak = end_init()
-    except Exception as exc:  # noqa: BLE001 - an OOM while moving the weights is a result
+    except Exception as exc:  # an OOM while moving the weights is a result
         if not failure_fields(exc)["oom"]:
             raise
         yield {**base, **failure_fields(exc), "oom_phase": "init", **gpu_peaks(), "peak_host_gib": host_peak_gib()}
@@ -1431,7 +1431,7 @@ def measure_torch(job: dict[str, Any]) -> Iterator[dict[str, Any]]:
             batch = make_batch(job, config, size, device)
             reset_gpu_peak()
             times, skipped, first, last = run_steps(one_step, job)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             if not failure_fields(exc)["oom"]:
                 raise
             yield {**rec, **failure_fields(exc), "oom_phase": "step", **gpu_peaks(), "peak_host_gib": host_peak_gib()}

@@ -1,6 +1,7 @@
 """Compare training runs' loss curves against the first one (issue 8's "trains as well" check).
 
-    python scripts/quality_table.py default/metrics.jsonl pipelined/metrics.jsonl delayed/metrics.jsonl [--png curves.png]
+    python scripts/quality_table.py default/metrics.jsonl pipelined/metrics.jsonl delayed/metrics.jsonl \\
+        [--png curves.png]
 
 Each argument is a `fitone train` metrics.jsonl (or its run directory) logged with --log-every 1; the
 first is the reference. Prints a markdown table: steps, NaN/inf losses, skipped steps (fp16 loss-scale
@@ -95,7 +96,8 @@ def compare(paths: list[str], runs: list[tuple[dict[int, float], int, dict[str, 
         else:
             verdict = "curve only" if curve_ok else "NO"
         all_pass &= verdict == "yes"
-        rows.append(f"| {name} | {len(losses)} | {nan} | {skipped} | {last:.4f} | {100 * (last - ref_last) / ref_last:+.1f}% "
+        rows.append(f"| {name} | {len(losses)} | {nan} | {skipped} | {last:.4f} "
+                    f"| {100 * (last - ref_last) / ref_last:+.1f}% "
                     f"| {f'{100 * worst:+.1f}% (steps {at - WINDOW + 1}-{at})' if gaps else '–'} | {q} | {verdict} |")
     head = [f"| run | steps | NaN/inf losses | skipped steps | mean loss, steps {tail[0]}-{tail[-1]} | vs first "
             f"| largest {WINDOW}-step-mean gap after step {SETTLE} | held-out quality (eval_loss vs first) "

@@ -18,8 +18,8 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "fito
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from fitone.cli import main  # noqa: E402
-from fitone.config import TrainConfig  # noqa: E402
+from fitone.cli import main
+from fitone.config import TrainConfig
 
 REPO = Path(__file__).resolve().parent.parent
 

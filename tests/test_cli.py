@@ -148,12 +148,26 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(files, tmp_path, flags,
     assert not out.exists()
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads a chmod-000 file anyway (the directory case covers "
-                                              "'cannot read' as root)")
-def test_unreadable_data_file(files, tmp_path):
+def test_unreadable_data_file(files, tmp_path, monkeypatch):
+    """A --data file this process may not read. chmod 000 makes it so for a user; root reads it anyway
+    (CAP_DAC_OVERRIDE), so as root the refusal the kernel gives a user is faked: opening this one file
+    raises the PermissionError a user's open() gets."""
+    import builtins
+    import io
+
     path = tmp_path / "locked.jsonl"
     path.write_text(files["few"].read_text())
     path.chmod(0)
+    if os.geteuid() == 0:
+        real_open = io.open
+
+        def refusing_open(file, *args, **kwargs):
+            if isinstance(file, (str, os.PathLike)) and Path(file) == path:
+                raise PermissionError(13, "Permission denied", str(file))
+            return real_open(file, *args, **kwargs)
+
+        monkeypatch.setattr(io, "open", refusing_open)  # what pathlib calls
+        monkeypatch.setattr(builtins, "open", refusing_open)
     rc, _, err = run_main(train_argv(data=path, out=tmp_path / "run"))
     assert rc == 2
     assert_one_line_error(err, r"cannot read --data file .*locked\.jsonl.*permissions")

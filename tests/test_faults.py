@@ -231,7 +231,8 @@ def test_gpu_oom_mid_run_names_the_batch_and_keeps_the_checkpoint(tmp_path, monk
     rc, _, err = run_main(["train", *CLI_RUN, "--out", str(out), "--save-every", "1", "--max-steps", "10"])
     assert rc == 2
     line = one_fitone_line(err)
-    assert re.fullmatch(r"fitone: error: GPU out of memory at step 3 with --batch-size 4 on a batch of 4 examples x \d+ input tokens and "
+    assert re.fullmatch(r"fitone: error: GPU out of memory at step 3 with --batch-size 4 on a batch of 4 examples x "
+                        r"\d+ input tokens and "
                         r"\d+ target tokens: lower --batch-size, or "
                         r"run `fitone probe-batch` with this --data and these lengths .*; the last checkpoint "
                         r"\S+step-00000002 is intact: continue from it with --resume and the lower --batch-size",

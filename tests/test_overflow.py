@@ -73,13 +73,32 @@ def test_a_flag_left_by_an_interrupted_backward_is_cleared_with_deepspeeds_buffe
         engine.close()
 
 
+class Watched(torch.Tensor):
+    """A gradient that records every torch operation run on it (reading `.data` included)."""
+
+    ops: list = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.ops.append(getattr(func, "__name__", str(func)))
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
 def test_fp32_skips_the_check_deepspeed_never_reads():
+    """In fp32 DeepSpeed never reads the overflow answer: the tracker must not look at the gradient at all
+    (on a GPU each look is a kernel per gradient), and keeps no flag that could drop a step."""
     engine = tiny_engine()
     try:
         assert not engine.optimizer.check_grad_overflow
-        engine.optimizer.update_offload_overflow_tracker(torch.tensor([float("inf")]))
+        Watched.ops = []
+        engine.optimizer.update_offload_overflow_tracker(torch.tensor([float("inf")]).as_subclass(Watched))
+        assert Watched.ops == []
+        engine.optimizer.check_overflow()  # what the flag would feed, were it kept
+        assert not engine.optimizer.overflow
+        before = weights(engine)
         engine.backward(engine.forward(fixed_batch(0)))
         engine.step()
-        assert engine.last_step_applied
+        assert engine.last_step_applied and engine.skipped_steps == 0
+        assert any(not torch.equal(before[k], v) for k, v in weights(engine).items())
     finally:
         engine.close()

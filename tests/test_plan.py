@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import math
 import socket
 import subprocess
 import sys
@@ -28,29 +27,24 @@ def part(p, where: str, name: str) -> int:
     return next(c.bytes for c in getattr(p, where) if c.name == name)
 
 
-def pow2(n: int) -> int:
-    return 2 ** math.ceil(math.log2(n))
-
-
-# -- component arithmetic ----------------------------------------------------------------------------
+# -- component arithmetic, from shapes and bytes per element ------------------------------------------
 def test_t5_3b_model_states_by_value():
     p = plan(**T5_3B, gpu_mem="24GiB", host_mem="256GiB")
     n = p.n_params
-    assert 2.84e9 < n < 2.86e9  # t5-3b: 2.85B with the shared embedding counted once
+    real = sum(x.numel() for x in build_model(load_config("t5-3b", from_scratch=True), meta=True).parameters())
+    assert n == real and 2.84e9 < n < 2.86e9  # t5-3b: 2.85B with the shared embedding counted once
     assert part(p, "gpu", "weights") == 2 * n  # fp16 weights on the GPU
     assert part(p, "gpu", "gradient buckets") == 2 * int(2e8) * 2  # overlap_comm: two 16-bit buckets
     assert part(p, "host", "fp32 master weights") == part(p, "host", "fp32 gradients") == 4 * n
     assert part(p, "host", "Adam m and v") == 8 * n
-    largest = 32128 * 1024  # the shared embedding
+    largest = 32128 * 1024  # the shared embedding (vocab x d_model)
     assert part(p, "host", "16-bit weight staging") == 2 * n + 2 * largest
-    # pinned blocks are rounded up to powers of two: 16 + 16 + 8 GiB (+ the largest-param buffer)
+    # pinned blocks are rounded up to a power of two: 4 B x 2.85e9 = 11.4e9 B -> 2^34 (16 GiB) for the master
+    # and the gradients each, 2 B x 2.85e9 -> 2^33 (8 GiB) for the staging, 2 B x 32.9e6 -> 2^26 (64 MiB)
     exact = 4 * n + 4 * n + 2 * n + 2 * largest
-    rounded = pow2(4 * n) * 2 + pow2(2 * n) + pow2(2 * largest)
-    assert pow2(4 * n) == 16 * GIB and pow2(2 * n) == 8 * GIB
+    rounded = 2**34 + 2**34 + 2**33 + 2**26
     assert part(p, "host", "pinned rounding") == rounded - exact
     assert p.host_total == sum(c.bytes for c in p.host)
-    # ANCHORS measured 63.4 GiB RSS on the H200 for this run; plan within 15%
-    assert abs(p.host_total / GIB - 63.4) < 0.15 * 63.4
 
 
 def test_tiny_model_counts_match_the_real_model_and_fp32_doubles_weights():
@@ -64,8 +58,13 @@ def test_tiny_model_counts_match_the_real_model_and_fp32_doubles_weights():
     assert part(p32, "gpu", "gradient buckets") == 2 * part(p16, "gpu", "gradient buckets")  # 4 B vs 2 B
 
 
-def test_anchor_batches_within_ten_percent_of_measured_peaks():
-    # ANCHORS.md: t5-3b fp16, 128/128, checkpointing, ZeRO-2 offload, torch.cuda.max_memory_allocated
+def test_calibration_against_the_h200_measurements_the_constants_were_fitted_to():
+    """The one test against measurements: ANCHORS.md's t5-3b runs on an H200 (fp16, 128/128 tokens,
+    checkpointing, ZeRO-2 offload; torch.cuda.max_memory_allocated and host RSS). The plan's activation
+    constants (BACKWARD_TRANSIENT_FF) and baselines were fitted to these very runs, so this shows the fit
+    holds, not that the formulas are right: the other tests check those from shapes and bytes."""
+    p = plan(**T5_3B, gpu_mem="24GiB", host_mem="256GiB")
+    assert abs(p.host_total / GIB - 63.4) < 0.15 * 63.4
     measured = {8: 6.7, 64: 9.3, 128: 12.3, 256: 18.3}
     for batch, gib in measured.items():
         p = plan(**T5_3B, batch_size=batch, max_gpu_memory="23GiB", gpu_mem="141GiB", host_mem="256GiB")
@@ -298,12 +297,32 @@ def test_host_rss_of_a_real_offload_engine_matches_the_plan(monkeypatch):
 
 
 def test_the_pipelined_update_adds_two_fp32_upload_chunks_on_the_gpu():
-    from fitone.zero2.overlap import UPLOAD_CHUNK
+    """Two fp32 landing chunks as large as the update's largest chunk: on the tiny T5 that is what a real
+    PipelinedUpdate on a real engine plans for its partition; on big models the chunk is capped, so the
+    landing stops growing with the model."""
+    from conftest import tiny_engine
+    from fitone.zero2.overlap import PipelinedUpdate
+
+    engine = tiny_engine("bf16")
+    try:
+        update = PipelinedUpdate(engine.optimizer, engine.module, after=1)  # its default chunk size
+        ends = update.chunks[0]
+        largest_chunk = max(hi - lo for lo, hi in zip([0] + ends[:-1], ends))
+        update.close()
+    finally:
+        engine.close()
+    tiny = plan(model="t5-tiny", from_scratch=True, gpu_mem="8GiB", host_mem="64GiB", precision="bf16")
+    # DeepSpeed pads its flat partition to an alignment of a few elements; the plan counts parameters
+    assert 0 <= 2 * 4 * largest_chunk - part(tiny, "gpu", "pipelined-update landing") <= 2 * 4 * 16
 
     plain = plan(**T5_3B, gpu_mem="24GiB", host_mem="256GiB", pipelined_update=False)
     piped = plan(**T5_3B, gpu_mem="24GiB", host_mem="256GiB")  # the default on one GPU
+    bigger = plan(**{**T5_3B, "model": "t5-11b"}, gpu_mem="80GiB", host_mem="512GiB")
     two_ranks = plan(**T5_3B, gpu_mem="24GiB", host_mem="256GiB", gpus=2)  # several ranks take DeepSpeed's step
     assert "pipelined-update landing" not in {c.name for c in two_ranks.gpu}
-    assert part(piped, "gpu", "pipelined-update landing") == 2 * 4 * UPLOAD_CHUNK
+    landing = part(piped, "gpu", "pipelined-update landing")
+    assert 0 < landing < 2 * 4 * piped.n_params and landing == part(bigger, "gpu", "pipelined-update landing")
     assert piped.host_total == plain.host_total  # nothing more on the host
-    assert plain.gpu_total < piped.gpu_total <= plain.gpu_total + 1.1 * 2 * 4 * UPLOAD_CHUNK  # + fragmentation margin
+    # the rest of the GPU plan is unchanged; the fragmentation margin takes its share of the landing
+    margin = part(piped, "gpu", "fragmentation margin") - part(plain, "gpu", "fragmentation margin")
+    assert piped.gpu_total == plain.gpu_total + landing + margin and 0 <= margin <= 0.06 * landing

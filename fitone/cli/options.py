@@ -121,7 +121,8 @@ def given(args: argparse.Namespace, names: Iterable[str]) -> dict[str, Any]:
 
 def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
     """--recipe NAME and key=value overrides, shared by train, probe-batch and plan."""
-    parser.add_argument("--recipe", help="a built-in recipe (e.g. t5-3b/24gb; `fitone recipes` lists them) or a YAML file")
+    parser.add_argument("--recipe",
+                        help="a built-in recipe (e.g. t5-3b/24gb; `fitone recipes` lists them) or a YAML file")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="override recipe values")
 
 
