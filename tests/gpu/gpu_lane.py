@@ -21,7 +21,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU: the GPU lane (tests/README.md)")
 needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
 
-MODEL = "gpt2"  # 124M parameters from the shipped config: four pipelined-update chunks (fitone.overlap)
+MODEL = "gpt2"  # 124M parameters from the shipped config: four pipelined-update chunks (fitone.zero2.overlap)
 MICRO_BATCH, SEQ_LEN, LR = 4, 64, 1e-3
 
 
