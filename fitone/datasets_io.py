@@ -173,6 +173,8 @@ def _explain_json(path: Path, fields: Sequence[str], flag: str) -> None:
                     _check_line(path, lineno, line, fields)
     except UnicodeDecodeError as exc:
         raise DataError(f"{flag} file {path} is not UTF-8 text; convert it to UTF-8 JSONL") from exc
+    except OSError as exc:  # os.access passes for root; the read itself can still be refused
+        raise DataError(f"cannot read {flag} file {path}: {exc.strerror}; check its permissions") from exc
 
 
 def _check_line(path: Path, lineno: int, line: str, fields: Sequence[str]) -> None:

@@ -128,7 +128,8 @@ def _probe_ops_quietly() -> None:
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
 
-    if "__compatible_ops__" in vars(deepspeed.ops) or get_accelerator().create_op_builder("ShareMemCommBuilder") is None:
+    if ("__compatible_ops__" in vars(deepspeed.ops)
+            or get_accelerator().create_op_builder("ShareMemCommBuilder") is None):
         return
     with silenced_fds():
         deepspeed.ops.__compatible_ops__  # noqa: B018 - computed and cached on first access

@@ -500,6 +500,19 @@ def _host_components(st: _Setup, offload: bool) -> list[Component]:
     if not offload:
         return [Component("model load", "weights", 4 * s.n_params, "fp32 weights on the CPU before they move"),
                 Component("process baseline", "overhead", baseline, "python, torch, CUDA, DeepSpeed")]
+    if st.pipelined_update:  # the lean host layout (fitone.zero2.layout): the arithmetic's 16 B/param, little else
+        from fitone.zero2.layout import GROUP_ELEMENTS
+
+        return [
+            Component("fp32 master weights", "weights", 4 * part, "4 B/param, page-locked in place"),
+            Component("fp32 gradients", "gradients", 4 * part,
+                      "4 B/param, page-locked in place; also holds the 16-bit sums between micro-batches"),
+            Component("Adam m and v", "optimizer", 8 * part, "8 B/param, DeepSpeedCPUAdam states"),
+            Component("16-bit weight staging" if w == 2 else "weight staging", "buffers",
+                      w * min(part, GROUP_ELEMENTS) + w * s.largest_param,
+                      "one parameter group's, shared by all groups + largest-param grad buffer"),
+            Component("process baseline", "overhead", baseline, "python, torch, CUDA, DeepSpeed"),
+        ]
     pin = _pow2 if st.pin_memory else (lambda x: x)
     pinned = " pinned" if st.pin_memory else ""
     master, grads, staging = 4 * part, 4 * part, w * part
@@ -603,7 +616,8 @@ def preflight(cfg: TrainConfig, *, micro_batch: int, world_size: int = 1) -> Pla
         fixes.append("a smaller model")
         raise MemoryBudgetError(
             f"host RAM too small: this run needs {_g(need):.1f} GiB ({_g(p.host_states):.1f} GiB of offloaded "
-            f"states per rank + baseline{'' if on_gpu else ' + the model, buckets and activations a CPU run keeps there'}"
+            f"states per rank + baseline"
+            f"{'' if on_gpu else ' + the model, buckets and activations a CPU run keeps there'}"
             f") but {_g(p.host_available):.1f} GiB is available, {_g(need - p.host_available):.1f} GiB short; "
             f"use {', or '.join(fixes)}"
         )

@@ -251,7 +251,8 @@ class Trainer:
                                     total_steps=self.total_steps, on_gpu=self.device == "cuda")
         memory.reset_gpu_peak()
         if self.cfg.offload == "cpu" and not cpu_adam_built():
-            self._say("building DeepSpeed's CPU Adam once for this machine (~1.5 minutes on 2 cores; cached for later runs)")
+            self._say("building DeepSpeed's CPU Adam once for this machine "
+                      "(~1.5 minutes on 2 cores; cached for later runs)")
         with unforeseen_oom("engine init", verbose=self.cfg.verbose):
             self.engine = Engine(self.loaded.model, ds_config, **overlap_options(self.cfg, self.update))
         if self.update == "pipelined" and self.cfg.pipelined_update is None:
@@ -424,7 +425,8 @@ class Trainer:
         }
         if engine.loss_scale is not None:
             record["loss_scale"] = engine.loss_scale
-        step = self.state["step"]  # the first and last steps always: `fitone report` starts and ends where TrainResult does
+        # the first and last steps always: `fitone report` starts and ends where TrainResult does
+        step = self.state["step"]
         if step % self.cfg.log_every == 0 or step in (1, self.total_steps):
             self.metrics.write(record)
         if bar is not None:

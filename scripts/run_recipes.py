@@ -17,7 +17,8 @@ On the GPU machine (one H200; see ../shared/gpu/README.md for the .whl prelude):
 Not yet run there. From earlier runs' costs (a t5-3b probe ~90 s, an offloaded engine init 30-60 s, the
 CPU Adam build ~50 s: bench/results/2026-11-30-probe-default/, ../shared/gpu/README.md) it should take
 8-9 minutes: an estimate, not a measurement. A recipe that would start after --budget-s (540 s) is
-recorded as skipped (rerun it with --recipes NAME). llama-7b/24gb needs ~150 GiB of host RAM: on a 128 GiB machine its pre-flight
+recorded as skipped (rerun it with --recipes NAME). llama-7b/24gb holds ~103 GiB of host RAM
+(bench/results/2026-11-30-issue19/); on a 128 GiB machine the pre-flight decides from `fitone plan`'s estimate
 refuses it in seconds (recorded as refused); the 2-GPU kind (256 GiB) runs it.
 
 On a CPU (a dry run of this script, not of the recipes): FITONE_RECIPES_DRY_RUN=1 runs two recipes with
@@ -50,13 +51,18 @@ GIB = 1024**3
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
     p.add_argument("--out", required=True, help="folder for recipes.json, recipes.md and logs/")
     p.add_argument("--recipes", help="comma-separated names (default: every GPU recipe)")
     p.add_argument("--steps", type=int, default=4, help="optimizer steps per recipe (samples/s: median of 2..N)")
-    p.add_argument("--budget-s", type=float, default=540,
-                   help="start no recipe after this many seconds; each child is stopped at the budget's end")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=540,
+        help="start no recipe after this many seconds; each child is stopped at the budget's end",
+    )
     p.add_argument("--one", help=argparse.SUPPRESS)  # child mode: run this recipe, write --result
     p.add_argument("--result", help=argparse.SUPPRESS)
     return p
@@ -71,12 +77,27 @@ def overrides_for(name: str, steps: int) -> dict[str, Any]:
     from fitone.models import CAUSAL, load_config, task_of
 
     folder = name.split("/")[0]
-    values: dict[str, Any] = {"model": folder, "from_scratch": True, "data": "synthetic", "batch_size": "auto",
-                              "max_steps": steps, "eval_examples": 0, "out": None, "progress": False}
+    values: dict[str, Any] = {
+        "model": folder,
+        "from_scratch": True,
+        "data": "synthetic",
+        "batch_size": "auto",
+        "max_steps": steps,
+        "eval_examples": 0,
+        "out": None,
+        "progress": False,
+    }
     if dry_run():
         causal = task_of(load_config(folder, from_scratch=True)) == CAUSAL
-        values.update(model="gpt2-tiny" if causal else "t5-tiny", device="cpu", precision="fp32",
-                      max_gpu_memory=None, batch_size=2, global_batch=None, grad_accum=None)
+        values.update(
+            model="gpt2-tiny" if causal else "t5-tiny",
+            device="cpu",
+            precision="fp32",
+            max_gpu_memory=None,
+            batch_size=2,
+            global_batch=None,
+            grad_accum=None,
+        )
         values.update({"seq_len": 32} if causal else {"src_len": 8, "tgt_len": 8})
     return values
 
@@ -93,9 +114,15 @@ def run_one(name: str, steps: int, result_path: Path) -> int:
     record: dict[str, Any] = {"recipe": name}
     try:
         cfg = load_recipe(name).config(**overrides_for(name, steps))
-        record.update(model=cfg.model, precision=cfg.precision, offload=cfg.offload, cap=cfg.max_gpu_memory,
-                      lengths={"seq_len": cfg.seq_len} if task_of(load_config(cfg.model, from_scratch=True)) == CAUSAL
-                      else {"src_len": cfg.src_len, "tgt_len": cfg.tgt_len})
+        record.update(
+            model=cfg.model,
+            precision=cfg.precision,
+            offload=cfg.offload,
+            cap=cfg.max_gpu_memory,
+            lengths={"seq_len": cfg.seq_len}
+            if task_of(load_config(cfg.model, from_scratch=True)) == CAUSAL
+            else {"src_len": cfg.src_len, "tgt_len": cfg.tgt_len},
+        )
         result = fitone.train(cfg)
     except FitoneError as exc:  # a refusal (host RAM, cap) is a result too: the one line a user would read
         record.update(status="refused", error=str(exc).splitlines()[0])
@@ -105,11 +132,21 @@ def run_one(name: str, steps: int, result_path: Path) -> int:
         sps = result.samples_per_s
         seq = record["lengths"].get("seq_len")
         record.update(
-            status="ran", micro_batch=result.micro_batch, grad_accum=result.grad_accum, steps=result.steps,
-            update=result.update, samples_per_s=sps, tokens_per_s=sps * seq if sps and seq else None,
-            peak_gpu_gib=result.peak_gpu_bytes / GIB, peak_host_train_gib=result.peak_host_rss_bytes / GIB,
-            init_s=result.init_s, wall_s=result.wall_s, first_loss=result.losses[0] if result.losses else None,
-            last_loss=result.final_loss, skipped_steps=result.skipped_steps)
+            status="ran",
+            micro_batch=result.micro_batch,
+            grad_accum=result.grad_accum,
+            steps=result.steps,
+            update=result.update,
+            samples_per_s=sps,
+            tokens_per_s=sps * seq if sps and seq else None,
+            peak_gpu_gib=result.peak_gpu_bytes / GIB,
+            peak_host_train_gib=result.peak_host_rss_bytes / GIB,
+            init_s=result.init_s,
+            wall_s=result.wall_s,
+            first_loss=result.losses[0] if result.losses else None,
+            last_loss=result.final_loss,
+            skipped_steps=result.skipped_steps,
+        )
     record["peak_host_process_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GIB
     result_path.write_text(json.dumps(record, indent=2, default=str))
     return {"ran": 0, "refused": 2}.get(record["status"], 1)
@@ -122,31 +159,58 @@ def run_all(args: argparse.Namespace) -> int:
     out = Path(args.out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     shipped = [n for n in recipe_names() if re.fullmatch(r"\d+gb", n.split("/")[1])]
-    names = args.recipes.split(",") if args.recipes else DRY_RUN if dry_run() else \
-        [n for n in ORDER if n in shipped] + [n for n in shipped if n not in ORDER]
+    names = (
+        args.recipes.split(",")
+        if args.recipes
+        else DRY_RUN
+        if dry_run()
+        else [n for n in ORDER if n in shipped] + [n for n in shipped if n not in ORDER]
+    )
     unknown = [n for n in names if n not in shipped]
     if unknown:
-        raise SystemExit(f"run_recipes: not a shipped GPU recipe: {', '.join(unknown)} (choose from {', '.join(shipped)})")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-           "FITONE_CACHE_DIR": tempfile.mkdtemp(prefix="run-recipes-cache-")}  # a fresh probe per recipe
+        raise SystemExit(
+            f"run_recipes: not a shipped GPU recipe: {', '.join(unknown)} (choose from {', '.join(shipped)})"
+        )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        "FITONE_CACHE_DIR": tempfile.mkdtemp(prefix="run-recipes-cache-"),
+    }  # a fresh probe per recipe
     began = time.monotonic()
     # DeepSpeed's CPU Adam is JIT-compiled once per fresh machine (~50 s on the H200, README): on the CPU
     # cores, while the recipes without offload use the GPU, instead of inside the first offloaded recipe
     with open(out / "logs" / "cpu-adam-build.log", "w") as log:
         code = "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()"
-        build = subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT, env=env,
-                                 start_new_session=True)
+        build = subprocess.Popen(
+            [sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
     records = []
     for name in names:
         left = args.budget_s - (time.monotonic() - began)
         slug = name.replace("/", "-")
         if left < 30:
-            records.append({"recipe": name, "status": "skipped", "error": f"the {args.budget_s:.0f} s budget was spent; "
-                            f"run it alone: scripts/run_recipes.py --out DIR --recipes {name}"})
+            records.append(
+                {
+                    "recipe": name,
+                    "status": "skipped",
+                    "error": f"the {args.budget_s:.0f} s budget was spent; "
+                    f"run it alone: scripts/run_recipes.py --out DIR --recipes {name}",
+                }
+            )
             continue
         result_path = out / "logs" / f"{slug}.json"
-        command = [sys.executable, __file__, "--out", str(out), "--one", name, "--steps", str(args.steps),
-                   "--result", str(result_path)]
+        command = [
+            sys.executable,
+            __file__,
+            "--out",
+            str(out),
+            "--one",
+            name,
+            "--steps",
+            str(args.steps),
+            "--result",
+            str(result_path),
+        ]
         started = time.monotonic()
         with open(out / "logs" / f"{slug}.log", "w") as log:
             child = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -155,9 +219,16 @@ def run_all(args: argparse.Namespace) -> int:
             except subprocess.TimeoutExpired:
                 os.killpg(child.pid, signal.SIGKILL)  # the child's own process group: its compiler children too
                 child.wait()
-        record = json.loads(result_path.read_text()) if result_path.is_file() else \
-            {"recipe": name, "status": "failed", "error": f"no result (exit {child.returncode}; "
-                                                          f"{'stopped at the budget' if child.returncode == -9 else 'see the log'})"}
+        record = (
+            json.loads(result_path.read_text())
+            if result_path.is_file()
+            else {
+                "recipe": name,
+                "status": "failed",
+                "error": f"no result (exit {child.returncode}; "
+                f"{'stopped at the budget' if child.returncode == -9 else 'see the log'})",
+            }
+        )
         record["process_s"] = time.monotonic() - started
         fit = re.search(r"largest fit (\d+)", (out / "logs" / f"{slug}.log").read_text(errors="replace"))
         record["probe_largest_fit"] = int(fit.group(1)) if fit else None
@@ -176,42 +247,62 @@ def machine() -> dict[str, Any]:
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (CPU)"
     try:  # the device's copy of the tree may have no .git, or no git
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                check=False).stdout.strip() or None
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False
+            ).stdout.strip()
+            or None
+        )
     except OSError:
         commit = None
-    return {"gpu": gpu, "torch": torch.__version__, "deepspeed": version("deepspeed"), "commit": commit,
-            "date": dt.datetime.now().isoformat(timespec="seconds"), "dry_run": dry_run()}
+    return {
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "deepspeed": version("deepspeed"),
+        "commit": commit,
+        "date": dt.datetime.now().isoformat(timespec="seconds"),
+        "dry_run": dry_run(),
+    }
 
 
 def line_for(r: dict[str, Any]) -> str:
     if r["status"] != "ran":
         return f"{r['recipe']}: {r['status']}: {r.get('error', '')}"
-    speed = f"{r['samples_per_s']:.1f} samples/s" + (f" ({r['tokens_per_s']:,.0f} tokens/s)" if r.get("tokens_per_s") else "")
+    speed = f"{r['samples_per_s']:.1f} samples/s" + (
+        f" ({r['tokens_per_s']:,.0f} tokens/s)" if r.get("tokens_per_s") else ""
+    )
     fit = f" (largest fit {r['probe_largest_fit']})" if r.get("probe_largest_fit") else ""
-    return (f"{r['recipe']}: micro-batch {r['micro_batch']}{fit} x {r['grad_accum']} accumulation, {speed}, "
-            f"peak GPU {r['peak_gpu_gib']:.1f} GiB, peak host {r['peak_host_train_gib']:.1f} GiB "
-            f"(process {r['peak_host_process_gib']:.1f}), {r['update']} step")
+    return (
+        f"{r['recipe']}: micro-batch {r['micro_batch']}{fit} x {r['grad_accum']} accumulation, {speed}, "
+        f"peak GPU {r['peak_gpu_gib']:.1f} GiB, peak host {r['peak_host_train_gib']:.1f} GiB "
+        f"(process {r['peak_host_process_gib']:.1f}), {r['update']} step"
+    )
 
 
 def write_results(out: Path, records: list[dict[str, Any]], wall_s: float) -> None:
     info = {**machine(), "wall_s": wall_s}
     (out / "recipes.json").write_text(json.dumps({"machine": info, "recipes": records}, indent=2, default=str))
-    header = ("| recipe | status | micro-batch (largest fit) | samples/s | tokens/s | peak GPU GiB "
-              "| peak host GiB (train / process) | step |")
+    header = (
+        "| recipe | status | micro-batch (largest fit) | samples/s | tokens/s | peak GPU GiB "
+        "| peak host GiB (train / process) | step |"
+    )
     rows = [header, "|---|---|---|---|---|---|---|---|"]
     for r in records:
         if r["status"] == "ran":
             tokens = f"{r['tokens_per_s']:,.0f}" if r.get("tokens_per_s") else "-"
-            rows.append(f"| {r['recipe']} | ran {r['steps']} steps | {r['micro_batch']} ({r.get('probe_largest_fit') or '-'}) "
-                        f"| {r['samples_per_s']:.1f} | {tokens} | {r['peak_gpu_gib']:.2f} "
-                        f"| {r['peak_host_train_gib']:.1f} / {r['peak_host_process_gib']:.1f} | {r['update']} |")
+            rows.append(
+                f"| {r['recipe']} | ran {r['steps']} steps | {r['micro_batch']} ({r.get('probe_largest_fit') or '-'}) "
+                f"| {r['samples_per_s']:.1f} | {tokens} | {r['peak_gpu_gib']:.2f} "
+                f"| {r['peak_host_train_gib']:.1f} / {r['peak_host_process_gib']:.1f} | {r['update']} |"
+            )
         else:
             rows.append(f"| {r['recipe']} | {r['status']}: {r.get('error', '')} | | | | | | |")
-    head = (f"# Shipped recipes as shipped: {info['gpu']}, {info['date']}, commit {info['commit']}"
-            f"{' (DRY RUN on the CPU: tiny models, not the recipes)' if info['dry_run'] else ''}\n\n"
-            f"`python3 scripts/run_recipes.py --out OUT` ({wall_s:.0f} s wall); torch {info['torch']}, "
-            f"deepspeed {info['deepspeed']}.\n\n")
+    head = (
+        f"# Shipped recipes as shipped: {info['gpu']}, {info['date']}, commit {info['commit']}"
+        f"{' (DRY RUN on the CPU: tiny models, not the recipes)' if info['dry_run'] else ''}\n\n"
+        f"`python3 scripts/run_recipes.py --out OUT` ({wall_s:.0f} s wall); torch {info['torch']}, "
+        f"deepspeed {info['deepspeed']}.\n\n"
+    )
     (out / "recipes.md").write_text(head + "\n".join(rows) + "\n")
     print(f"wrote {out / 'recipes.json'} and {out / 'recipes.md'} ({wall_s:.0f} s)")
 

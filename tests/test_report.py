@@ -50,7 +50,8 @@ def test_report_writes_the_three_pictures_and_a_summary_of_the_run(run, capsys):
     assert (summary.records, summary.eval_records) == (4, 1)  # the held-out score is not a logged step
     assert "8 (4 logged, 1 held-out score)" in printed
     # the first loss is step 1's, as TrainResult's, though step 1 is not a multiple of --log-every
-    assert summary.first_loss == pytest.approx(result.losses[0]) and summary.last_loss == pytest.approx(result.losses[-1])
+    assert summary.first_loss == pytest.approx(result.losses[0])
+    assert summary.last_loss == pytest.approx(result.losses[-1])
     assert summary.min_loss == pytest.approx(min(logged))
     assert summary.peak_host_gib > 0 and summary.median_samples_per_s > 0
     assert summary.peak_gpu_gib == 0 and summary.skipped_steps == 0  # a CPU run

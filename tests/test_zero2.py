@@ -99,7 +99,8 @@ def test_the_lean_layout_accumulates_in_the_gradient_buffer_bit_for_bit(monkeypa
                 buffers = {p.grad.untyped_storage().data_ptr() for p in opt.single_partition_of_fp32_groups}
                 assert opt.accumulated_grads_in_cpu and held <= buffers  # the sums live in the gradient buffers
                 staging = engine.host.host_bytes()["16-bit staging"]  # one group's worth, shared by all
-                assert staging == max(b.numel() for b in opt.bit16_groups_flat) * opt.bit16_groups_flat[0].element_size()
+                flat = opt.bit16_groups_flat
+                assert staging == max(b.numel() for b in flat) * flat[0].element_size()
             else:
                 assert all(t.untyped_storage().data_ptr() not in
                            {p.grad.untyped_storage().data_ptr() for p in opt.single_partition_of_fp32_groups}

@@ -108,7 +108,8 @@ class LeanHost:
         return {"fp32 master": sum(m.numel() * 4 for m in masters),
                 "fp32 gradients": sum(m.grad.numel() * 4 for m in masters),
                 "Adam moments": moments,
-                "16-bit staging": max(b.untyped_storage().nbytes() for b in opt.param_buffer_of_bit16_for_cpu_offload_groups)}
+                "16-bit staging": max(b.untyped_storage().nbytes()
+                                      for b in opt.param_buffer_of_bit16_for_cpu_offload_groups)}
 
     def close(self) -> None:
         """Unlock the pages before DeepSpeed frees the buffers (the driver must not keep recycled pages)."""
