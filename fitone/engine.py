@@ -319,8 +319,11 @@ class Engine:
         self.ds.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
 
     def load(self, load_dir: str, tag: str) -> dict[str, Any]:
-        _path, client_state = self.ds.load_checkpoint(load_dir, tag=tag, load_optimizer_states=True,
-                                                      load_lr_scheduler_states=True)
+        from fitone.zero2.layout import loading_across_layouts
+
+        with loading_across_layouts(self.ds, self.optimizer):  # a checkpoint from before bounded groups too
+            _path, client_state = self.ds.load_checkpoint(load_dir, tag=tag, load_optimizer_states=True,
+                                                          load_lr_scheduler_states=True)
         if _path is None:
             raise FileNotFoundError(f"{load_dir}/{tag}")
         if self.overlap is not None:  # a resumed run past its plain steps continues overlapped, as it would have

@@ -151,3 +151,32 @@ def test_another_deepspeed_version_is_refused_in_one_line(monkeypatch):
     monkeypatch.setattr(deepspeed, "__version__", "0.20.1")
     with pytest.raises(DeviceError, match=r"pip install deepspeed==0\.19\.8"):
         check_version()
+
+
+def _resume(path, tag, groups: int | None, monkeypatch) -> tuple[list[float], dict]:
+    monkeypatch.setattr(layout, "GROUP_ELEMENTS", groups or 2**27)
+    engine = make_engine()
+    try:
+        engine.load(str(path), tag)
+        losses = train(engine, 3)
+        return losses, weights(engine)
+    finally:
+        engine.close()
+
+
+def test_a_checkpoint_resumes_across_the_one_group_and_the_grouped_layouts(tmp_path, monkeypatch):
+    """Saved in one group (as fitone saved every model before bounded groups), resumed into dozens, and
+    back: the continued losses and weights are those of resuming into the layout it was saved in, bit for
+    bit (the optimizer state is moved parameter by parameter, by name)."""
+    for saved_groups, other in ((None, SMALL_GROUPS), (SMALL_GROUPS, None)):
+        monkeypatch.setattr(layout, "GROUP_ELEMENTS", saved_groups or 2**27)
+        engine = make_engine()
+        try:
+            train(engine, 3)
+            engine.save(str(tmp_path), f"saved-{saved_groups}", {})
+        finally:
+            engine.close()
+        same = _resume(tmp_path, f"saved-{saved_groups}", saved_groups, monkeypatch)
+        across = _resume(tmp_path, f"saved-{saved_groups}", other, monkeypatch)
+        assert across[0] == same[0]
+        assert all(torch.equal(across[1][k], same[1][k]) for k in same[1])

@@ -13,7 +13,8 @@ Why each exists (measured in bench/results/2026-11-30-issue19/):
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 
@@ -115,3 +116,64 @@ class LeanHost:
         """Unlock the pages before DeepSpeed frees the buffers (the driver must not keep recycled pages)."""
         while self._registered:
             torch.cuda.cudart().cudaHostUnregister(self._registered.pop())
+
+
+def regroup_saved_state(saved: dict[str, Any], opt: Any) -> dict[str, Any]:
+    """A ZeRO-2 optimizer state saved under other parameter groups (before bounded groups, fitone saved
+    models of any size as one group), laid out again in `opt`'s groups, parameter by parameter: both
+    layouts name each parameter's slice of its group (`param_slice_mappings`). One rank only."""
+    if max(saved.get("partition_count") or [1]) != 1 or dist_world(opt) != 1:
+        raise ValueError("a checkpoint saved under other parameter groups resumes on one rank only")
+    where = {name: (g, frag) for g, mapping in enumerate(saved["param_slice_mappings"]) for name, frag in mapping.items()}
+    target = opt.state_dict()
+    old_fp32 = saved["single_partition_of_fp32_groups"]
+    old_base = saved["base_optimizer_state"]
+    old_state = old_base["state"]
+    fp32, state = [], {}
+    for g, mapping in enumerate(target["param_slice_mappings"]):
+        size = target["single_partition_of_fp32_groups"][g].numel()
+        keys = ["fp32"] + (["exp_avg", "exp_avg_sq"] if old_state else [])
+        new = {k: torch.zeros(size, dtype=torch.float32) for k in keys}
+        for name, frag in mapping.items():
+            if name not in where:
+                raise ValueError(f"the checkpoint has no optimizer state for parameter {name}")
+            og, old = where[name]
+            for k in keys:
+                source = old_fp32[og] if k == "fp32" else old_state[og][k]
+                new[k][frag.start:frag.start + frag.numel].copy_(source[old.start:old.start + old.numel])
+        fp32.append(new["fp32"])
+        if old_state:
+            state[g] = {"step": old_state[0]["step"], "exp_avg": new["exp_avg"], "exp_avg_sq": new["exp_avg_sq"]}
+    groups = [{**old_base["param_groups"][0], "params": [g]} for g in range(len(fp32))]
+    return {**saved, "single_partition_of_fp32_groups": fp32,
+            "base_optimizer_state": {"state": state, "param_groups": groups},
+            **{k: target[k] for k in ("group_paddings", "param_alignment_paddings", "partition_count",
+                                      "param_slice_mappings") if k in target}}
+
+
+def dist_world(opt: Any) -> int:
+    import deepspeed.comm as dist
+
+    return max(dist.get_world_size(group=g) for g in opt.real_dp_process_group)
+
+
+@contextmanager
+def loading_across_layouts(ds_engine: Any, opt: Any) -> Iterator[None]:
+    """While DeepSpeed loads a checkpoint: an optimizer state saved under other parameter groups is laid
+    out in this engine's groups first (`regroup_saved_state`); one saved under the same groups is as saved."""
+    engine_load = ds_engine.checkpoint_engine.load
+
+    def load(path: str, *args: Any, **kwargs: Any) -> Any:
+        loaded = engine_load(path, *args, **kwargs)
+        saved = loaded.get("optimizer_state_dict") if isinstance(loaded, dict) else None
+        if isinstance(saved, dict) and "param_slice_mappings" in saved:
+            names = [list(m) for m in saved["param_slice_mappings"]]
+            if names != [list(m) for m in opt._param_slice_mappings]:
+                loaded = {**loaded, "optimizer_state_dict": regroup_saved_state(saved, opt)}
+        return loaded
+
+    ds_engine.checkpoint_engine.load = load
+    try:
+        yield
+    finally:
+        ds_engine.checkpoint_engine.load = engine_load
