@@ -124,7 +124,8 @@ def regroup_saved_state(saved: dict[str, Any], opt: Any) -> dict[str, Any]:
     layouts name each parameter's slice of its group (`param_slice_mappings`). One rank only."""
     if max(saved.get("partition_count") or [1]) != 1 or dist_world(opt) != 1:
         raise ValueError("a checkpoint saved under other parameter groups resumes on one rank only")
-    where = {name: (g, frag) for g, mapping in enumerate(saved["param_slice_mappings"]) for name, frag in mapping.items()}
+    where = {name: (g, frag)
+             for g, mapping in enumerate(saved["param_slice_mappings"]) for name, frag in mapping.items()}
     target = opt.state_dict()
     old_fp32 = saved["single_partition_of_fp32_groups"]
     old_base = saved["base_optimizer_state"]
