@@ -97,8 +97,10 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _is_write_error(exc: BaseException) -> bool:
-    """Disk full or unwritable: an OSError, or torch.save's RuntimeError from its zip writer."""
-    return isinstance(exc, OSError) or (isinstance(exc, RuntimeError) and "write" in str(exc).lower())
+    """Disk full or unwritable: an OSError, or torch.save's RuntimeError from its zip writer (a short write
+    shows as "unexpected pos": seen on a full disk during a 7B save, bench/results/2026-11-30-issue19/)."""
+    text = str(exc).lower()
+    return isinstance(exc, OSError) or (isinstance(exc, RuntimeError) and ("write" in text or "unexpected pos" in text))
 
 
 def save(engine, run_dir: str | Path, step: int, state: dict[str, Any], *, keep: int, is_main: bool,

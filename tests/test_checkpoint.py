@@ -77,21 +77,27 @@ class _WritingEngine:
     """Stands in for DeepSpeed where the test is about the files around it: writes one file per save,
     or fails half-way with a full disk (a test cannot fill the disk for real)."""
 
-    def __init__(self, disk_full: bool = False):
+    def __init__(self, disk_full: bool = False, error: BaseException | None = None):
         self.disk_full, self.saves = disk_full, 0
+        self.error = error or OSError(errno.ENOSPC, "No space left on device")
 
     def save(self, save_dir: str, tag: str, client_state: dict) -> None:
         self.saves += 1
         (Path(save_dir) / tag).mkdir()
         (Path(save_dir) / tag / "model_states.pt").write_bytes(b"half")
         if self.disk_full:
-            raise OSError(errno.ENOSPC, "No space left on device")
+            raise self.error
 
 
-def test_a_full_disk_during_a_save_keeps_the_earlier_checkpoints_and_says_so(tmp_path):
+@pytest.mark.parametrize("error, said", [
+    (OSError(errno.ENOSPC, "No space left on device"), "No space left on device"),
+    # what torch.save's zip writer raised on a full disk on the GPU machine
+    (RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 29470354816 vs 29470354712"),
+     "unexpected pos 29470354816 vs 29470354712")])
+def test_a_full_disk_during_a_save_keeps_the_earlier_checkpoints_and_says_so(tmp_path, error, said):
     first = checkpoint.save(_WritingEngine(), tmp_path, 1, {"step": 1}, keep=2, is_main=True)
-    with pytest.raises(RunDirError, match=r"No space left on device; free disk space .* --resume .*step-00000001"):
-        checkpoint.save(_WritingEngine(disk_full=True), tmp_path, 2, {"step": 2}, keep=2, is_main=True)
+    with pytest.raises(RunDirError, match=said + r"; free disk space .* --resume .*step-00000001"):
+        checkpoint.save(_WritingEngine(disk_full=True, error=error), tmp_path, 2, {"step": 2}, keep=2, is_main=True)
     assert checkpoint.latest(tmp_path) == first
     assert [p.name for p in checkpoint.checkpoint_root(tmp_path).iterdir()] == ["step-00000001"]
 
