@@ -1,9 +1,10 @@
 """ZeRO-2 data parallel on the CPU: two processes under torchrun (gloo), real DeepSpeed engines.
 
 The same `fitone train` command a user runs under `torchrun`/`deepspeed` on several GPUs; here each
-rank is a CPU process. Two ranks at micro-batch 8 see exactly the 16 examples one process sees at
-micro-batch 16, so their averaged loss follows the same curve (not bit-equal: each rank averages
-over its own tokens and ZeRO-2 averages the ranks' gradients, so padding weighs slightly differently).
+rank is a CPU process. Two ranks at micro-batch 8 see, step by step, exactly the two micro-batches one
+process accumulates at micro-batch 8 x 2 (tests/test_data.py checks the split): each micro-batch's loss is
+its own token mean, and ZeRO-2 averages the ranks' gradients as accumulation averages the micro-batches'.
+So the two curves are the same arithmetic, summed in another order.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from transformers import AutoModelForSeq2SeqLM
 
 import fitone
 from conftest import child_env, cpu_config
+from tolerance import LINEAR_STEPS, apart, fp32_loss_drift
 
 ARGS = ["--model", "t5-tiny", "--from-scratch", "--data", "sample", "--src-len", "8", "--tgt-len", "48",
         "--precision", "fp32", "--device", "cpu", "--eval-examples", "0", "--no-progress", "--lr", "3e-3",
@@ -40,7 +42,10 @@ def _losses(out: Path) -> list[float]:
 
 @pytest.fixture(scope="module")
 def one_process_losses() -> list[float]:
-    return fitone.train(cpu_config(batch_size=16, max_steps=16, seed=0)).losses
+    """One process at the same global batch of 16, as two accumulated micro-batches of 8."""
+    result = fitone.train(cpu_config(batch_size=8, grad_accum=2, max_steps=16, seed=0))
+    assert result.grad_accum == 2 and result.world_size == 1
+    return result.losses
 
 
 def test_two_ranks_train_like_one_process_at_the_same_global_batch(tmp_path, one_process_losses):
@@ -51,7 +56,14 @@ def test_two_ranks_train_like_one_process_at_the_same_global_batch(tmp_path, one
     losses = _losses(out)
     assert len(losses) == 16
     assert losses[-1] < losses[0] * 0.5
-    assert losses == pytest.approx(one_process_losses, rel=0.05)
+    # fp32 rounding from the first step on (an all-reduce sums in another order than accumulation), over
+    # the steps where that bound holds for whole runs (tolerance.LINEAR_STEPS)
+    n = LINEAR_STEPS
+    assert apart(losses[:n], one_process_losses[:n], fp32_loss_drift, first_differing_step=1) == []
+    # a bound that tells arithmetic apart: the same 16 examples as one micro-batch (each token weighed over
+    # all 16, not over its own 8) is another computation, and falls outside it
+    other = fitone.train(cpu_config(batch_size=16, max_steps=n, seed=0)).losses
+    assert apart(other, one_process_losses[:n], fp32_loss_drift, first_differing_step=1) != []
     ckpt = out / "checkpoints" / "step-00000016"
     shards = sorted(p.name for p in ckpt.glob("zero_pp_rank_*_optim_states.pt"))
     assert shards == ["zero_pp_rank_0_mp_rank_00_optim_states.pt", "zero_pp_rank_1_mp_rank_00_optim_states.pt"]
@@ -66,7 +78,8 @@ def test_two_ranks_resume_with_the_same_world_size(tmp_path):
     assert _torchrun(out, "--max-steps", "6", "--save-every", "6").returncode == 0
     proc = _torchrun(out, "--max-steps", "12", "--save-every", "6", "--resume")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert _losses(out) == pytest.approx(_losses(straight), rel=1e-4)
+    # the same steps up to the checkpoint at 6, then fp32 rounding at most from the resumed step on
+    assert apart(_losses(out), _losses(straight), fp32_loss_drift, first_differing_step=7) == []
 
 
 def test_the_readme_deepspeed_command_runs_two_ranks_through_deepspeeds_launcher(tmp_path):
