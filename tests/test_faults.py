@@ -159,7 +159,7 @@ def test_resume_after_a_stop_matches_the_uninterrupted_run_step_for_step(case, t
 
     assert resumed.resumed_from == 4 and resumed.steps == 8 and len(resumed.losses) == 4
     assert resumed.lrs == pytest.approx(straight.lrs[4:], rel=1e-12)
-    assert resumed.losses == pytest.approx(straight.losses[4:], rel=1e-5)
+    assert resumed.losses == straight.losses[4:]  # exact resume: bit for bit on the CPU
     logged = read_metrics(out)
     assert [r["step"] for r in logged] == list(range(1, 9))
     assert [r["lr"] for r in logged] == pytest.approx(straight.lrs, rel=1e-12)
