@@ -104,12 +104,10 @@ def use_torch_adamw(ds: dict[str, Any], *, fused: bool) -> None:
 def update_mode(cfg: TrainConfig, ds: dict[str, Any], *, world_size: int = 1, on_gpu: bool = True) -> str:
     """Which optimizer step a run takes: 'deepspeed' (ZeRO-2's own), 'pipelined' or 'delayed' (fitone.zero2.overlap).
 
-    The pipelined update is the default where it is measured faster and trains the same (1.4-1.5x on
-    t5-3b; bench/results/2026-11-29-issue8-bar/, 2026-11-29-issue8-quality/): one GPU, ZeRO-2's optimizer
-    on the CPU. Several ranks keep DeepSpeed's step (each would all-gather the updated partitions before
-    any forward could run), and so does a CPU device (no GPU work to overlap the CPU Adam with).
-    `ds` is the run's DeepSpeed config, a user's --ds-config merged in: one that moves the optimizer off
-    the CPU or swaps DeepSpeedCPUAdam for torch.optim's Adam keeps DeepSpeed's step too.
+    Pipelined where it is measured faster and trains the same (bench/NOTES.md): one GPU, DeepSpeedCPUAdam
+    on the CPU. Several ranks (each would all-gather the updated partitions before any forward), a CPU
+    device (nothing to overlap with) and a `ds` (the user's --ds-config merged in) that moves the optimizer
+    off the CPU or swaps in torch.optim's Adam keep DeepSpeed's step.
     """
     optimizer = ds.get("optimizer") or {}
     # both overlapped modes run DeepSpeedCPUAdam's Adam(W) on its own states; torch_adam swaps in torch.optim's

@@ -281,14 +281,6 @@ class Engine:
         self.ds.step()
 
     @property
-    def at_boundary(self) -> bool:
-        return self.ds.is_gradient_accumulation_boundary()
-
-    @property
-    def global_steps(self) -> int:
-        return self.ds.global_steps
-
-    @property
     def skipped_steps(self) -> int:
         return self.ds.skipped_steps
 
@@ -341,12 +333,3 @@ class Engine:
         finally:
             del self.ds, self.optimizer, self.scheduler, self.overlap, self.host
             memory.free_memory()
-
-
-@contextmanager
-def engine_session(model: torch.nn.Module, ds_config: dict[str, Any]) -> Iterator[Engine]:
-    engine = Engine(model, ds_config)
-    try:
-        yield engine
-    finally:
-        engine.close()

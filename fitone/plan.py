@@ -25,10 +25,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from fitone import memory
+from fitone.memory import GIB
 from fitone.config import TrainConfig, parse_size, resolve_precision
 from fitone.errors import ConfigError, MemoryBudgetError, ModelError
 
-GIB = 1024**3
 
 FITS_ON_GPU = "fits without offload"
 FITS_WITH_OFFLOAD = "fits with ZeRO-2 CPU offload"

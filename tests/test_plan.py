@@ -29,7 +29,8 @@ def part(p, where: str, name: str) -> int:
 
 # -- component arithmetic, from shapes and bytes per element ------------------------------------------
 def test_t5_3b_model_states_by_value():
-    p = plan(**T5_3B, gpu_mem="24GiB", host_mem="256GiB")
+    """DeepSpeed's own host layout (its step: --no-pipelined-update); the lean one is tested below."""
+    p = plan(**T5_3B, gpu_mem="24GiB", host_mem="256GiB", pipelined_update=False)
     n = p.n_params
     real = sum(x.numel() for x in build_model(load_config("t5-3b", from_scratch=True), meta=True).parameters())
     assert n == real and 2.84e9 < n < 2.86e9  # t5-3b: 2.85B with the shared embedding counted once
@@ -47,6 +48,19 @@ def test_t5_3b_model_states_by_value():
     assert p.host_total == sum(c.bytes for c in p.host)
 
 
+def test_the_lean_host_layout_holds_sixteen_bytes_a_parameter_and_one_staging_group():
+    """Under the pipelined update (the default on one GPU; fitone.zero2.layout): fp32 master 4 + fp32
+    gradients 4 + Adam's moments 8 B/param, one group's 16-bit staging (2^27 elements x 2 B), the largest
+    parameter's 16-bit gradient buffer, the process; nothing pinned by PyTorch, so no rounding."""
+    p = plan(**T5_3B, gpu_mem="24GiB", host_mem="256GiB")
+    n, largest = p.n_params, 32128 * 1024
+    assert part(p, "host", "fp32 master weights") == part(p, "host", "fp32 gradients") == 4 * n
+    assert part(p, "host", "Adam m and v") == 8 * n
+    assert part(p, "host", "16-bit weight staging") == 2 * 2**27 + 2 * largest
+    assert "pinned rounding" not in {c.name for c in p.host}
+    assert p.host_total == 16 * n + 2 * 2**27 + 2 * largest + 2 * GIB  # + the process baseline
+
+
 def test_tiny_model_counts_match_the_real_model_and_fp32_doubles_weights():
     real = build_model(load_config("t5-tiny", from_scratch=True))
     n_real = sum(p.numel() for p in real.parameters())
@@ -62,8 +76,9 @@ def test_calibration_against_the_h200_measurements_the_constants_were_fitted_to(
     """The one test against measurements: ANCHORS.md's t5-3b runs on an H200 (fp16, 128/128 tokens,
     checkpointing, ZeRO-2 offload; torch.cuda.max_memory_allocated and host RSS). The plan's activation
     constants (BACKWARD_TRANSIENT_FF) and baselines were fitted to these very runs, so this shows the fit
-    holds, not that the formulas are right: the other tests check those from shapes and bytes."""
-    p = plan(**T5_3B, gpu_mem="24GiB", host_mem="256GiB")
+    holds, not that the formulas are right: the other tests check those from shapes and bytes. The host
+    figure was measured under DeepSpeed's step, so it is planned with that step."""
+    p = plan(**T5_3B, gpu_mem="24GiB", host_mem="256GiB", pipelined_update=False)
     assert abs(p.host_total / GIB - 63.4) < 0.15 * 63.4
     measured = {8: 6.7, 64: 9.3, 128: 12.3, 256: 18.3}
     for batch, gib in measured.items():
@@ -131,7 +146,8 @@ def test_verdicts():
 
 
 def test_short_host_ram_names_the_resource_and_the_fix():
-    p = plan(**T5_3B, gpu_mem="24GiB", host_mem="32GiB")
+    """Under DeepSpeed's step the pinned rounding is large enough to suggest turning pinning off."""
+    p = plan(**T5_3B, gpu_mem="24GiB", host_mem="32GiB", pipelined_update=False)
     assert p.verdict == DOES_NOT_FIT
     assert p.short["host"] == p.host_total - 32 * GIB
     assert any("host RAM" in s for s in p.suggestions) and any("pin_memory" in s for s in p.suggestions)
@@ -322,7 +338,10 @@ def test_the_pipelined_update_adds_two_fp32_upload_chunks_on_the_gpu():
     assert "pipelined-update landing" not in {c.name for c in two_ranks.gpu}
     landing = part(piped, "gpu", "pipelined-update landing")
     assert 0 < landing < 2 * 4 * piped.n_params and landing == part(bigger, "gpu", "pipelined-update landing")
-    assert piped.host_total == plain.host_total  # nothing more on the host
+    # on the host the lean layout: DeepSpeed's 16-bit staging copy and pinned rounding are gone
+    lean_saving = (part(plain, "host", "16-bit weight staging") - part(piped, "host", "16-bit weight staging")
+                   + part(plain, "host", "pinned rounding"))
+    assert plain.host_total - piped.host_total == lean_saving
     # the rest of the GPU plan is unchanged; the fragmentation margin takes its share of the landing
     margin = part(piped, "gpu", "fragmentation margin") - part(plain, "gpu", "fragmentation margin")
     assert piped.gpu_total == plain.gpu_total + landing + margin and 0 <= margin <= 0.06 * landing

@@ -1,25 +1,13 @@
-"""The CPU optimizer step of DeepSpeed's ZeRO-2 offload, overlapped with GPU work: two modes.
+"""DeepSpeed's ZeRO-2 CPU-offload optimizer step moved into a background thread, beside GPU work.
 
-In a ZeRO-2 offload step the GPU waits while the CPU unscales and clips the gradients, runs Adam over
-every parameter and stages the new 16-bit weights for upload (~1.2 s of a 2.3 s t5-3b step at
-micro-batch 64 on an H200; bench/NOTES.md). Both modes move that CPU work into a background thread:
+- `PipelinedUpdate` (the default on one GPU): step N's Adam and upload run chunk by chunk while step
+  N+1's forward runs; each module's forward waits for the chunks holding its weights. DeepSpeed's arithmetic.
+- `DelayedUpdate` (experimental): step N's update runs beside step N+1's forward and backward, whose
+  gradients are therefore taken at weights one update old; it trains worse (README).
 
-- `DelayedUpdate` (the ZeRO-Offload paper's DPU): step N's update runs while the GPU computes step N+1
-  on the weights of step N-1; the new weights go up at the end of step N+1's backward. Every gradient is
-  taken at weights one update old, which changes training (README, bench/NOTES.md).
-- `PipelinedUpdate`: step N's update runs chunk by chunk in the order the forward uses the weights, each
-  chunk uploaded as soon as it is done, while step N+1's forward runs; a module's forward waits only
-  for the chunks that hold its own weights. Nothing is stale: the arithmetic is DeepSpeed's step.
-  fitone's default on one GPU (fitone.ds_config.update_mode); the delayed update is experimental.
-
-What stays as in DeepSpeed's own step in both: the overflow check and loss-scale update (fp16) and the
-gradient norm are decided on the main thread, on this step's gradients, before anything is handed over;
-an overflowed step is dropped exactly as DeepSpeed drops it, never applied. The thread gets its own copy
-of the step's learning rate and betas (the scheduler moves them right after).
-
-The update uses PyTorch's fused CPU AdamW on DeepSpeedCPUAdam's own state tensors, with the unscale and
-clip folded in: DeepSpeed's `adam_update` keeps Python's GIL for the whole call (it is bound without
-releasing it), which would stall the main thread's kernel launches; PyTorch ops release it.
+Both decide the overflow, loss scale and gradient norm on the main thread where DeepSpeed decides them,
+and run PyTorch's fused CPU AdamW on DeepSpeedCPUAdam's states: DeepSpeed's `adam_update` holds the GIL,
+which would stall the main thread's kernel launches. Measurements: bench/NOTES.md.
 """
 
 from __future__ import annotations
