@@ -328,8 +328,8 @@ class Engine:
             if self.overlap is not None:
                 self.overlap.close()
             self.ds.destroy()
-            if self.host is not None:
-                self.host.close()
         finally:
+            if self.host is not None:  # unlock the pages even when a teardown step failed, before they are freed
+                self.host.close()
             del self.ds, self.optimizer, self.scheduler, self.overlap, self.host
             memory.free_memory()

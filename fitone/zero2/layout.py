@@ -39,6 +39,13 @@ def param_groups(model: torch.nn.Module, max_elements: int | None = None) -> lis
     return [{"params": params} for params in groups]
 
 
+def world_size(opt: Any) -> int:
+    """The ranks a ZeRO-2 optimizer's partitions are spread over (1: the whole model is this process's)."""
+    import deepspeed.comm as dist
+
+    return max(dist.get_world_size(group=g) for g in opt.real_dp_process_group)
+
+
 def lean_offload_config(ds: dict[str, Any]) -> dict[str, Any]:
     """The DeepSpeed config the lean layout is built on: DeepSpeed allocates plain host memory (no pinned
     power-of-two blocks); `LeanHost` page-locks the two buffers the GPU copies touch, in place."""
@@ -122,7 +129,7 @@ def regroup_saved_state(saved: dict[str, Any], opt: Any) -> dict[str, Any]:
     """A ZeRO-2 optimizer state saved under other parameter groups (before bounded groups, fitone saved
     models of any size as one group), laid out again in `opt`'s groups, parameter by parameter: both
     layouts name each parameter's slice of its group (`param_slice_mappings`). One rank only."""
-    if max(saved.get("partition_count") or [1]) != 1 or dist_world(opt) != 1:
+    if max(saved.get("partition_count") or [1]) != 1 or world_size(opt) != 1:
         raise ValueError("a checkpoint saved under other parameter groups resumes on one rank only")
     where = {name: (g, frag)
              for g, mapping in enumerate(saved["param_slice_mappings"]) for name, frag in mapping.items()}
@@ -150,12 +157,6 @@ def regroup_saved_state(saved: dict[str, Any], opt: Any) -> dict[str, Any]:
             "base_optimizer_state": {"state": state, "param_groups": groups},
             **{k: target[k] for k in ("group_paddings", "param_alignment_paddings", "partition_count",
                                       "param_slice_mappings") if k in target}}
-
-
-def dist_world(opt: Any) -> int:
-    import deepspeed.comm as dist
-
-    return max(dist.get_world_size(group=g) for g in opt.real_dp_process_group)
 
 
 @contextmanager

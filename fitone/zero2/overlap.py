@@ -255,9 +255,9 @@ class PipelinedUpdate(_OverlappedStep):
 
     def __init__(self, optimizer: Any, model: torch.nn.Module, *, after: int, chunk_elements: int = UPLOAD_CHUNK):
         super().__init__(optimizer, after=after)
-        import deepspeed.comm as dist
+        from fitone.zero2.layout import world_size
 
-        if any(dist.get_world_size(group=g) > 1 for g in optimizer.real_dp_process_group):
+        if world_size(optimizer) > 1:
             self.close()
             raise ValueError("the pipelined update runs on one GPU (one rank)")
         self.chunks = self._plan_chunks(chunk_elements)  # per group: chunk ends (exclusive), ascending
