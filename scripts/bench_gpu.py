@@ -33,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections import defaultdict
@@ -531,8 +532,16 @@ def one_line(rec: dict[str, Any]) -> str:
 # child: measure one tool at one (or, with --same-process, several) batch sizes
 # ================================================================================================
 
+_EMIT_LOCK = threading.Lock()
+
+
 def emit(prefix: str, values: dict[str, Any]) -> None:
-    print(prefix + json.dumps(values, default=str), flush=True)
+    """One whole line per record: the heartbeat thread emits too, and print() writes the text and its
+    newline separately, so two threads' lines could interleave and break the parent's JSON parsing."""
+    line = prefix + json.dumps(values, default=str) + "\n"
+    with _EMIT_LOCK:
+        sys.stdout.write(line)
+        sys.stdout.flush()
 
 
 def child_main(job: dict[str, Any]) -> int:
@@ -564,7 +573,6 @@ def child_main(job: dict[str, Any]) -> int:
 def start_heartbeat(every: float = HEARTBEAT_S) -> None:
     """Report this process's peak host RSS every few seconds (a daemon thread). A child the kernel kills for
     host memory prints nothing more, so its record keeps the last value seen (a lower bound) and the phase."""
-    import threading
 
     t0 = time.perf_counter()
 
