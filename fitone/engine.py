@@ -252,6 +252,7 @@ class Engine:
         elif pipelined:
             self.host = layout.LeanHost(self.optimizer)
             self.overlap = overlap.PipelinedUpdate(self.optimizer, self.ds.module, after=1)
+        memory.trim_heap()  # the model's host copy, moved to the GPU, would otherwise stay in the RSS
         self.init_s = time.perf_counter() - start
 
     def sync_weights(self) -> None:
