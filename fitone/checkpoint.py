@@ -198,3 +198,40 @@ def replay_cpu_adam_steps(adam: Any) -> None:
                 adam.ds_opt_adam.adam_update(adam.opt_id, step, group["lr"], beta1, beta2, group["eps"],
                                              group["weight_decay"], group["bias_correction"], weights, weights,
                                              moments, moments)
+
+
+def export(model: torch.nn.Module, tokenizer: Any, run_dir: str | Path) -> Path:
+    """RUN_DIR/final/: a plain Hugging Face model dir (weights + tokenizer), loadable without DeepSpeed.
+
+    ZeRO-2 keeps full 16-bit weights on every rank, so the caller's rank saves them as they are (as HF
+    Trainer does with ZeRO-2). Written to a temporary dir first, then renamed.
+    """
+    run_dir = Path(run_dir)
+    final, tmp = run_dir / "final", run_dir / ".tmp-final"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.config.use_cache = True
+    from fitone.engine import no_hf_progress_bars
+
+    with no_hf_progress_bars():
+        model.save_pretrained(tmp, state_dict=host_state_dict(model), safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    return final
+
+
+def host_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The weights copied to the host, one copy per distinct tensor (tied weights stay tied).
+
+    DeepSpeed keeps every weight inside flat buffers; save_pretrained clones tensors that share a buffer on
+    their own device, a second copy of the weights that a full GPU cannot hold (llama-7b under a 23 GiB
+    cap ran out of memory there: bench/results/2026-12-01-issue19/).
+    """
+    copies: dict[tuple[Any, ...], torch.Tensor] = {}
+    out = {}
+    for name, tensor in model.state_dict().items():
+        key = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape))
+        if key not in copies:
+            copies[key] = tensor.detach().to("cpu", copy=True)
+        out[name] = copies[key]
+    return out

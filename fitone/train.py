@@ -476,25 +476,10 @@ class Trainer:
 
     # -- the end --------------------------------------------------------------------------------
     def _export(self) -> Path | None:
-        """DIR/final/: a plain Hugging Face model dir (weights + tokenizer), loadable without DeepSpeed.
-
-        ZeRO-2 keeps full 16-bit weights on every rank, so rank 0 saves them as they are (as HF Trainer
-        does with ZeRO-2); written to a temporary dir first, then renamed.
-        """
+        """DIR/final/ on rank 0 (checkpoint.export)."""
         if self.out is None or not self.dist.is_main:
             return None
-        final, tmp = self.out / "final", self.out / ".tmp-final"
-        shutil.rmtree(tmp, ignore_errors=True)
-        model = self.engine.module
-        model.config.use_cache = True
-        from fitone.engine import no_hf_progress_bars
-
-        with no_hf_progress_bars():
-            model.save_pretrained(tmp, safe_serialization=True)
-        self.loaded.tokenizer.save_pretrained(tmp)
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-        return final
+        return checkpoint.export(self.engine.module, self.loaded.tokenizer, self.out)
 
     def _score(self, evals: list[dict[str, float]]) -> dict[str, float]:
         """Evaluate now; keep the numbers with their step in `evals` (rank 0 only has any). A held-out score

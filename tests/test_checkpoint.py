@@ -117,3 +117,38 @@ def test_metrics_cut_mid_line_by_a_kill_are_read_and_trimmed_on_resume(tmp_path)
     assert [r["step"] for r in read_metrics(path)] == [1, 2, 3]
     MetricsLog(path, resume_step=2)
     assert path.read_text() == "".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in (1, 2))
+
+
+def test_export_copies_weights_to_the_host_instead_of_cloning_them_on_their_device(tmp_path):
+    """DeepSpeed's weights share flat buffers; save_pretrained clones such tensors where they are, which on
+    a full GPU is a second copy of the model (llama-7b ran out of memory there). The export hands it one
+    host copy per distinct tensor instead: nothing is cloned, and tied weights stay tied."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from transformers import AutoModelForSeq2SeqLM, ByT5Tokenizer
+
+    from conftest import tiny_engine
+
+    class Clones(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.clone.default:
+                Clones.count += 1
+            return func(*args, **(kwargs or {}))
+
+    engine = tiny_engine()
+    try:
+        flat = engine.optimizer.bit16_groups_flat[0]
+        assert any(p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+                   for p in engine.module.parameters())  # the premise: weights live in a shared buffer
+        with Clones():
+            final = checkpoint.export(engine.module, ByT5Tokenizer(), tmp_path)
+        assert Clones.count == 0
+        loaded = AutoModelForSeq2SeqLM.from_pretrained(final).state_dict()
+        for name, tensor in engine.module.state_dict().items():
+            assert torch.equal(loaded[name], tensor), name
+        assert loaded["shared.weight"].data_ptr() == loaded["encoder.embed_tokens.weight"].data_ptr()
+        assert not (tmp_path / ".tmp-final").exists()
+    finally:
+        engine.close()
