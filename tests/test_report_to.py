@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import socket
 import struct
 
 import pytest
@@ -136,3 +137,21 @@ def test_wandb_without_the_package_is_one_line(tmp_path):
     assert rc == 2
     assert err.strip().splitlines() == ["fitone: error: --report-to wandb needs the wandb package: pip install wandb"]
     assert not (tmp_path / "run").exists()
+
+
+def test_wandb_mode_goes_offline_without_a_key_or_a_server_and_obeys_wandb_mode(tmp_path, monkeypatch):
+    from fitone.metrics import wandb_mode
+
+    for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    assert wandb_mode() == ("offline", "no W&B API key: WANDB_API_KEY or `wandb login`")
+    # a key from `wandb login` (netrc), but a server that does not answer: a closed local port
+    (tmp_path / "netrc").write_text("machine 127.0.0.1\n  login user\n  password " + "0" * 40 + "\n")
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
+    assert wandb_mode() == ("offline", "127.0.0.1 not reachable")
+    with socket.create_server(("127.0.0.1", 0)) as server:  # one that answers: wandb decides (online)
+        monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{server.getsockname()[1]}")
+        assert wandb_mode() == (None, None)
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert wandb_mode() == ("disabled", None)
