@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Protocol
 
-from fitone.errors import DataError
+from fitone.errors import ConfigError, DataError
 
 
 class MetricsLog:
@@ -100,8 +100,13 @@ class WandbSink:
             print(f"fitone: W&B runs offline ({why}): sync later with `wandb sync {out / 'wandb'}/offline-run-*`",
                   flush=True)
         # mode None: wandb decides (its settings files, e.g. after `wandb offline`)
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "fitone"), dir=str(out), config=config,
-                              mode=mode, name=out.name, resume="allow" if resume_step else None)
+        try:
+            self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "fitone"), dir=str(out), config=config,
+                                  mode=mode, name=out.name, resume="allow" if resume_step else None)
+        except wandb.errors.Error as exc:  # e.g. WANDB_MODE=online without a key: no API key configured
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ConfigError(f"--report-to wandb: {first} (or unset WANDB_MODE to log offline and "
+                              "`wandb sync` later)") from exc
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
         self.run.log(scalars, step=step)

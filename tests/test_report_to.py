@@ -155,3 +155,19 @@ def test_wandb_mode_goes_offline_without_a_key_or_a_server_and_obeys_wandb_mode(
         assert wandb_mode() == (None, None)
     monkeypatch.setenv("WANDB_MODE", "disabled")
     assert wandb_mode() == ("disabled", None)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="wandb is not installed: pip install wandb")
+def test_wandb_online_asked_without_a_key_is_one_line_not_a_prompt(tmp_path, monkeypatch):
+    from fitone.metrics import WandbSink
+
+    for var in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    for var in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(var, str(tmp_path / var.lower()))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_MODE", "online")
+    with pytest.raises(ConfigError, match=r"^--report-to wandb: No API key configured.*unset WANDB_MODE to log "
+                                          r"offline and `wandb sync` later\)$"):
+        WandbSink(tmp_path / "run", {"model": "t5-tiny"}, 0)
