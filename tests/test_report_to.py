@@ -94,15 +94,19 @@ def _wandb_run(out):
     return history, config, summary
 
 
-@pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="wandb is not installed: pip install wandb")
-def test_wandb_offline_logs_the_same_scalars_as_metrics_jsonl_and_the_config(tmp_path, monkeypatch, capsys):
-    # no API key and no network: W&B must go offline by itself, every W&B file under tmp_path
+def _no_wandb_login(tmp_path, monkeypatch):
+    """No API key, no WANDB_MODE, and every file W&B writes (logs, cache, settings) under tmp_path, not HOME."""
     for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
     for var in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
         monkeypatch.setenv(var, str(tmp_path / var.lower()))
     monkeypatch.setenv("WANDB_SILENT", "true")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="wandb is not installed: pip install wandb")
+def test_wandb_offline_logs_the_same_scalars_as_metrics_jsonl_and_the_config(tmp_path, monkeypatch, capsys):
+    _no_wandb_login(tmp_path, monkeypatch)  # and no network here: W&B must go offline by itself
     out = tmp_path / "run"
     fitone.train(cpu_config(max_steps=4, eval_every=2, eval_examples=8, out=str(out), report_to="wandb"))
     assert "fitone: W&B runs offline (no W&B API key" in capsys.readouterr().out
@@ -130,8 +134,11 @@ def test_report_to_needs_a_run_dir_and_a_known_name():
         cpu_config(report_to="mlflow", out="x")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed here")
-def test_wandb_without_the_package_is_one_line(tmp_path):
+def test_wandb_without_the_package_is_one_line(tmp_path, monkeypatch):
+    # wandb is in the test extra, so its absence is faked: find_spec answers None for it alone
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find_spec(name, *a))
+    _no_wandb_login(tmp_path, monkeypatch)  # should the check break, W&B's files stay under tmp_path
     rc, _, err = run_main(["train", *CLI_RUN, "--max-steps", "1", "--out", str(tmp_path / "run"),
                            "--report-to", "tensorboard,wandb"])
     assert rc == 2
@@ -142,12 +149,10 @@ def test_wandb_without_the_package_is_one_line(tmp_path):
 def test_wandb_mode_goes_offline_without_a_key_or_a_server_and_obeys_wandb_mode(tmp_path, monkeypatch):
     from fitone.metrics import wandb_mode
 
-    for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    _no_wandb_login(tmp_path, monkeypatch)
     assert wandb_mode() == ("offline", "no W&B API key: WANDB_API_KEY or `wandb login`")
     # a key from `wandb login` (netrc), but a server that does not answer: a closed local port
-    (tmp_path / "netrc").write_text("machine 127.0.0.1\n  login user\n  password " + "0" * 40 + "\n")
+    (tmp_path / "no-netrc").write_text("machine 127.0.0.1\n  login user\n  password " + "0" * 40 + "\n")
     monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
     assert wandb_mode() == ("offline", "127.0.0.1 not reachable")
     with socket.create_server(("127.0.0.1", 0)) as server:  # one that answers: wandb decides (online)
@@ -161,12 +166,7 @@ def test_wandb_mode_goes_offline_without_a_key_or_a_server_and_obeys_wandb_mode(
 def test_wandb_online_asked_without_a_key_is_one_line_not_a_prompt(tmp_path, monkeypatch):
     from fitone.metrics import WandbSink
 
-    for var in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
-    for var in ("WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
-        monkeypatch.setenv(var, str(tmp_path / var.lower()))
-    monkeypatch.setenv("WANDB_SILENT", "true")
+    _no_wandb_login(tmp_path, monkeypatch)
     monkeypatch.setenv("WANDB_MODE", "online")
     with pytest.raises(ConfigError, match=r"^--report-to wandb: No API key configured.*unset WANDB_MODE to log "
                                           r"offline and `wandb sync` later\)$"):
