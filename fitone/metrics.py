@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Protocol
 
-from fitone.errors import DataError
+from fitone.errors import ConfigError, DataError
 
 
 class MetricsLog:
@@ -89,15 +89,24 @@ class TensorBoardSink:
 
 
 class WandbSink:
-    """W&B in DIR/wandb/; offline (sync later with `wandb sync`) unless WANDB_MODE says otherwise or the
-    W&B server answers."""
+    """W&B in DIR/wandb/. Offline (sync later with `wandb sync DIR/wandb/offline-run-*`) when WANDB_MODE
+    does not say otherwise and there is no API key or the W&B server does not answer: never a login prompt."""
 
     def __init__(self, out: Path, config: dict[str, Any], resume_step: int):
         import wandb
 
-        mode = os.environ.get("WANDB_MODE") or ("online" if _reachable("api.wandb.ai") else "offline")
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "fitone"), dir=str(out), config=config,
-                              mode=mode, name=out.name, resume="allow" if resume_step else None)
+        mode, why = wandb_mode()
+        if why:
+            print(f"fitone: W&B runs offline ({why}): sync later with `wandb sync {out / 'wandb'}/offline-run-*`",
+                  flush=True)
+        # mode None: wandb decides (its settings files, e.g. after `wandb offline`)
+        try:
+            self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "fitone"), dir=str(out), config=config,
+                                  mode=mode, name=out.name, resume="allow" if resume_step else None)
+        except wandb.errors.Error as exc:  # e.g. WANDB_MODE=online without a key: no API key configured
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ConfigError(f"--report-to wandb: {first} (or unset WANDB_MODE to log offline and "
+                              "`wandb sync` later)") from exc
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
         self.run.log(scalars, step=step)
@@ -106,14 +115,52 @@ class WandbSink:
         self.run.finish()
 
 
-def _reachable(host: str, port: int = 443, timeout: float = 1.0) -> bool:
-    import socket
+def wandb_mode() -> tuple[str | None, str | None]:
+    """W&B's mode for this run and, when fitone chose offline, why. WANDB_MODE wins; else offline without an
+    API key (wandb would prompt for one) or when the server is not reached within a couple of seconds."""
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"], None
+    from urllib.parse import urlsplit
 
+    url = urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai")
+    host = url.hostname or "api.wandb.ai"
+    if not (os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE") or _netrc_has(host)):
+        return "offline", "no W&B API key: WANDB_API_KEY or `wandb login`"
+    if not _reachable(host, url.port or (80 if url.scheme == "http" else 443)):
+        return "offline", f"{host} not reachable"
+    return None, None
+
+
+def _netrc_has(host: str) -> bool:
+    """Whether `wandb login` left a key for host in the netrc file wandb reads."""
+    import netrc
+
+    path = Path(os.environ.get("NETRC") or "~/.netrc").expanduser()
     try:
-        socket.create_connection((host, port), timeout=timeout).close()
-        return True
-    except OSError:
+        return path.is_file() and netrc.netrc(str(path)).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
         return False
+
+
+def _reachable(host: str, port: int = 443, timeout: float = 2.0) -> bool:
+    """A TCP connect to host within timeout. In a thread: name resolution has no timeout of its own and can
+    hang far longer where DNS is blackholed."""
+    import socket
+    import threading
+
+    ok: list[bool] = []
+
+    def connect() -> None:
+        try:
+            socket.create_connection((host, port), timeout=timeout).close()
+            ok.append(True)
+        except OSError:
+            pass
+
+    thread = threading.Thread(target=connect, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return bool(ok)
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
