@@ -1,4 +1,4 @@
-"""Memory readings, OOM detection and cleanup. Imports nothing of fitone, so everything can use it."""
+"""Memory readings, OOM detection and cleanup. Imports nothing of fitone but its units, so everything can use it."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from pathlib import Path
 import psutil
 import torch
 
-GIB = 1024**3
+from fitone.units import GIB
+
 
 _OOM_MESSAGES = (
     "CUDA out of memory",

@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any, Callable
 
 from fitone import memory
-from fitone.memory import GIB
-from fitone.config import TrainConfig, parse_size, resolve_precision
+from fitone.config import TrainConfig, resolve_precision
 from fitone.errors import ConfigError, MemoryBudgetError, ModelError
+from fitone.units import GIB, parse_size
 
 
 FITS_ON_GPU = "fits without offload"

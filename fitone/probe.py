@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from fitone.config import gib
 from fitone.errors import ConfigError, MemoryBudgetError
+from fitone.units import gib
 
 GRANULARITY_DIVISOR = 16  # bisect until hi - lo <= max(1, lo // 16)
 MAX_VERIFY_TRIES = 3  # sizes verified before giving up: more means memory varies far beyond the margin

@@ -13,9 +13,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from fitone.config import gib, parse_size
 from fitone.errors import ConfigError, DataError
 from fitone.metrics import read_metrics
+from fitone.units import gib, parse_size
 
 # eval numbers a record may carry (an evaluation record: step + these); drawn as points on the loss figure
 EVAL_KEYS = ("eval_loss", "exact_match")

@@ -22,8 +22,8 @@ from conftest import REPO, child_env, cpu_config, run_main
 from fitone import memory
 from fitone.errors import MemoryBudgetError
 from fitone.plan import preflight
+from fitone.units import GIB
 
-GIB = 1024**3
 CI_RAM = 24 * GIB  # the CI machine of the issue: the big models' refusal must not depend on a bigger host
 
 # run fitone in a child whose host-RAM reading is at most CI_RAM (only the reading: on this 24 GiB machine it
