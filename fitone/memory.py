@@ -115,12 +115,6 @@ def host_available_bytes() -> int:
     return free if container is None else min(free, max(0, container[0] - container[1]))
 
 
-def host_total_bytes() -> int:
-    total = psutil.virtual_memory().total
-    container = cgroup_memory()
-    return total if container is None else min(total, container[0])
-
-
 def host_used_fraction() -> float:
     used = psutil.virtual_memory().percent / 100.0
     container = cgroup_memory()

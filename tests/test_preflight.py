@@ -164,6 +164,5 @@ def test_the_host_ram_figure_is_the_containers_where_it_is_less(monkeypatch, tmp
     monkeypatch.setattr(memory, "CGROUP_ROOT", v1)
     monkeypatch.setattr(memory, "PROC_CGROUP", proc)
     assert memory.host_available_bytes() == min(memory.psutil.virtual_memory().available, limit - GIB)
-    assert memory.host_total_bytes() == limit
     proc.write_text("0::/\n")  # no limit anywhere: the machine's figures
-    assert memory.cgroup_memory(v1, proc) is None and memory.host_total_bytes() == machine
+    assert memory.cgroup_memory(v1, proc) is None
