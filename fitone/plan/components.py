@@ -16,7 +16,7 @@ from typing import Any, Callable
 from fitone import memory
 from fitone.plan.activations import Lengths, activation_bytes
 from fitone.plan.shape import ModelShape
-from fitone.units import GIB
+from fitone.units import GIB, gib
 
 CATEGORIES = ("weights", "gradients", "optimizer", "activations", "buffers", "overhead")
 
@@ -87,115 +87,25 @@ class Plan:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        def comps(items: list[Component]) -> list[dict[str, Any]]:
-            return [{"name": c.name, "category": c.category, "bytes": c.bytes, "gib": _g(c.bytes), "note": c.note}
-                    for c in items]
+        from fitone.render import plan_dict
 
-        return {
-            "model": self.model, "family": self.family, "n_params": self.n_params, "precision": self.precision,
-            "offload": "cpu" if self.offload else "none", "gpus": self.gpus, "micro_batch": self.micro_batch,
-            "lengths": self.lengths, "activation_checkpointing": self.activation_checkpointing,
-            "gpu_gib": _g(self.gpu_total), "gpu_allocated_gib": _g(self.gpu_allocated), "host_gib": _g(self.host_total),
-            "gpu_limit_gib": None if self.gpu_limit is None else _g(self.gpu_limit),
-            "gpu_limit_source": self.gpu_limit_source, "host_available_gib": _g(self.host_available),
-            "components": {"gpu": comps(self.gpu), "host": comps(self.host)},
-            "categories_gib": {w: {k: _g(v) for k, v in self.by_category(w).items()} for w in ("gpu", "host")},
-            "activation_per_sample_gib": _g(self.activation_per_sample),
-            "activation_per_sample_ckpt_gib": _g(self.activation_per_sample_ckpt),
-            "activation_per_sample_no_ckpt_gib": _g(self.activation_per_sample_no_ckpt),
-            "max_micro_batch": self.max_micro_batch,
-            "max_micro_batch_without_offload": self.max_micro_batch_without_offload,
-            "gpu_gib_without_offload": _g(self.gpu_total_without_offload),
-            "host_gib_without_offload": _g(self.host_total_without_offload),
-            "verdict": self.verdict, "short_gib": {k: _g(v) for k, v in self.short.items()},
-            "suggestions": self.suggestions, "notes": self.notes,
-            "deepspeed_estimate_gib": None if self.deepspeed_estimate is None
-            else {k: _g(v) for k, v in self.deepspeed_estimate.items()},
-        }
+        return plan_dict(self)
 
     def __str__(self) -> str:
-        mode = "ZeRO-2 + CPU offload" if self.offload else "ZeRO-2, no offload"
-        lens = " / ".join(f"{k} {v}" for k, v in self.lengths.items())
-        lines = [
-            f"{self.model}: {self.n_params / 1e9:.3g}B params ({self.family} formula), {self.precision}, {mode}, "
-            f"{self.gpus} GPU{'s' if self.gpus > 1 else ''}",
-            f"micro-batch {self.micro_batch}, {lens}, activation checkpointing "
-            f"{'on' if self.activation_checkpointing else 'off'}",
-            "",
-        ]
-        width = max(len(c.name) for c in self.gpu + self.host) + 2
-        for title, items, total, limit, limit_name in (
-            ("GPU, per rank", self.gpu, self.gpu_total, self.gpu_limit, self.gpu_limit_source),
-            ("host" + (f", per rank (x{self.gpus} ranks in the total)" if self.gpus > 1 else ""), self.host,
-             self.host_total, self.host_available, "available"),
-        ):
-            lines.append(f"{title:<{width}}{'GiB':>8}")
-            lines += [f"  {c.name:<{width - 2}}{_g(c.bytes):>8.2f}   {c.note}".rstrip() for c in items]
-            of = "" if limit is None else f" of {_g(limit):.2f} ({limit_name})"
-            lines += [f"  {'total':<{width - 2}}{_g(total):>8.2f}{of}", ""]
-        act = (f"activations per sample: {self.activation_per_sample_ckpt / 2**20:.1f} MiB with checkpointing, "
-               f"{self.activation_per_sample_no_ckpt / 2**20:.1f} MiB without")
-        lines.append(act)
-        if self.max_micro_batch is not None:
-            lines.append(f"largest micro-batch that fits: {self.max_micro_batch} "
-                         f"(without offload: {self.max_micro_batch_without_offload})")
-        lines.append(f"without offload: GPU {_g(self.gpu_total_without_offload):.2f} GiB, "
-                     f"host {_g(self.host_total_without_offload):.2f} GiB")
-        if self.deepspeed_estimate:
-            ds = self.deepspeed_estimate
-            lines.append(f"DeepSpeed's own estimate (model states only): GPU {_g(ds['gpu']):.2f} GiB, "
-                         f"host {_g(ds['host']):.2f} GiB")
-        lines += ["", f"verdict: {self.verdict}"]
-        lines += [f"  short of {k} memory by {_g(v):.2f} GiB" for k, v in self.short.items()]
-        if self.suggestions:
-            lines += ["what would help:"] + [f"  - {s}" for s in self.suggestions]
-        if self.notes:
-            lines += ["notes:"] + [f"  - {n}" for n in self.notes]
-        return "\n".join(lines)
+        from fitone.render import plan_text
+
+        return plan_text(self)
 
     def plot(self, path: str) -> str:
-        """Stacked bars of where memory goes on the GPU and the host, with the limit drawn in.
+        """Stacked bars of where memory goes on the GPU and the host, with the limit drawn in (a PNG)."""
+        from fitone.render import plot_plan
 
-        Drawn on a bare Figure with the Agg canvas, so a notebook's pyplot backend is left alone.
-        """
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-
-        colors = dict(zip(CATEGORIES, ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860")))
-        fig = Figure(figsize=(9, 5.5))
-        FigureCanvasAgg(fig)
-        axes = fig.subplots(1, 2)
-        panels = (("GPU (per rank)", "gpu", self.gpu_total, self.gpu_limit, "limit"),
-                  ("host" + (f" ({self.gpus} ranks)" if self.gpus > 1 else ""), "host", self.host_total,
-                   self.host_available, "available"))
-        for ax, (title, where, total, limit, limit_name) in zip(axes, panels):
-            scale = self.gpus if where == "host" else 1
-            top = max(_g(total), _g(limit) if limit else 0.0)
-            bottom = 0.0
-            for cat, value in self.by_category(where).items():
-                gib_value = _g(value * scale)
-                ax.bar([0], [gib_value], bottom=bottom, color=colors[cat], width=0.5, label=cat)
-                if gib_value > 0.05 * top:  # small slices are left to the legend
-                    ax.text(0, bottom + gib_value / 2, f"{cat} {gib_value:.1f}", ha="center", va="center",
-                            fontsize=8, color="white")
-                bottom += gib_value
-            if limit:
-                ax.axhline(_g(limit), color="black", linestyle="--", linewidth=1.2)
-                ax.text(-0.58, _g(limit), f"{limit_name} {_g(limit):.1f} GiB", va="bottom", ha="left", fontsize=8)
-            ax.set_xlim(-0.6, 0.6)
-            ax.set_ylim(0, top * 1.12 or 1)
-            ax.set_xticks([0], [f"total {_g(total):.1f} GiB"])
-            ax.set_ylabel("GiB")
-            ax.set_title(title)
-        axes[1].legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8, title="category")
-        fig.suptitle(f"{self.model}, {self.precision}, micro-batch {self.micro_batch}: {self.verdict}", fontsize=10)
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        return str(path)
+        return str(plot_plan(self, path))
 
 
 def _g(n: float) -> float:
-    return round(n / GIB, 3)
+    """GiB as a plan shows them (3 decimals): the advice and the pre-flight's messages round the same way."""
+    return gib(n, 3)
 
 
 def _pow2(n: int) -> int:
