@@ -1,11 +1,8 @@
 """Predict GPU and host memory of a ZeRO-2 run (with or without CPU offload) before allocating anything.
 
-The model is built on the meta device (shapes, no weights). Model states follow what DeepSpeed 0.19's
-`deepspeed/runtime/zero/stage_1_and_2.py` allocates (line numbers cited below); activations follow
-what autograd saves, counted tensor by tensor for T5, GPT-2 and Llama-style models with a
-`saved_tensors_hooks` census on an H200 (torch 2.11, fp16), and checked against ANCHORS.md:
-t5-3b fp16, 128/128, checkpointing on, measured 6.7 / 9.3 / 12.3 / 18.3 GiB peak at micro-batch
-8 / 64 / 128 / 256 and 16.7 GiB at 8 without checkpointing; host RSS 63.4 GiB.
+The model is built on the meta device (shapes, no weights). Model states follow what DeepSpeed 0.19
+allocates; activations follow what autograd saves, counted tensor by tensor for T5, GPT-2 and
+Llama-style models; tests/test_plan.py checks them against the measured t5-3b runs that bench/README.md lists.
 
 `plan()` answers "will it fit, and how big a micro-batch"; `preflight()` is the check (host RAM, and the
 GPU at micro-batch 1) that `fitone train` and `fitone probe-batch` run from the config before allocating.
