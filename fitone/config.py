@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Mapping
 
 from fitone.errors import ConfigError
+from fitone.units import parse_size
 
 PRECISIONS = ("fp16", "bf16", "fp32", "auto")
 OFFLOADS = ("cpu", "none")
@@ -21,39 +21,11 @@ DEVICES = ("auto", "cuda", "cpu")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 REPORT_TO = ("tensorboard", "wandb")
 
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
-    "kib": 1024, "mib": 1024**2, "gib": 1024**3, "tib": 1024**4,
-}
-
-
-def parse_size(text: str | int | float | None, what: str = "memory size") -> int | None:
-    """Bytes from '24GiB', '24GB' (10^9), '23.5 gib', '512MiB' or a plain number of bytes."""
-    if text is None:
-        return None
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        value = int(text)
-    else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-        unit = m.group(2).lower() if m else None
-        if not m or unit not in _UNITS:
-            raise ConfigError(f"cannot read {what} {text!r}: write it like 24GiB, 24GB or 512MiB")
-        value = int(float(m.group(1)) * _UNITS[unit])
-    if value <= 0:
-        raise ConfigError(f"{what} must be positive, got {text!r}")
-    return value
-
-
 def resolve_precision(precision: str, on_gpu: bool) -> str:
     """'auto' (the default) is fp16 with loss scaling on a GPU and fp32 on the CPU, where DeepSpeed refuses fp16."""
     if precision != "auto":
         return precision
     return "fp16" if on_gpu else "fp32"
-
-
-def gib(n_bytes: float) -> float:
-    return n_bytes / 1024**3
 
 
 @dataclass(kw_only=True)

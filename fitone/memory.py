@@ -1,4 +1,4 @@
-"""Memory readings, OOM detection and cleanup. Imports nothing of fitone, so everything can use it."""
+"""Memory readings, OOM detection and cleanup. Imports nothing of fitone but its units, so everything can use it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from pathlib import Path
 import psutil
 import torch
 
-GIB = 1024**3
+from fitone.units import GIB
+
 
 _OOM_MESSAGES = (
     "CUDA out of memory",
@@ -127,12 +128,6 @@ def host_available_bytes() -> int:
     free = psutil.virtual_memory().available
     container = cgroup_memory()
     return free if container is None else min(free, max(0, container[0] - container[1]))
-
-
-def host_total_bytes() -> int:
-    total = psutil.virtual_memory().total
-    container = cgroup_memory()
-    return total if container is None else min(total, container[0])
 
 
 def host_used_fraction() -> float:

@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from fitone.config import gib
 from fitone.errors import ConfigError, MemoryBudgetError
+from fitone.render import percent
+from fitone.units import gib
 
 GRANULARITY_DIVISOR = 16  # bisect until hi - lo <= max(1, lo // 16)
 MAX_VERIFY_TRIES = 3  # sizes verified before giving up: more means memory varies far beyond the margin
@@ -104,23 +105,9 @@ class ProbeResult:
 
     def table(self) -> str:
         """Fixed-width table of the trials in the order tried, then the answer."""
-        rows = [f"{'batch':>7}  {'result':<16} {'peak GPU GiB':>12} {'step s':>8} {'samples/s':>10}"]
-        for t in self.trials:
-            result = "fits" if t.fits else "OOM" + (f" ({t.oom_phase})" if t.oom_phase else "")
-            if t.purpose == "verify":
-                result += " verify"
-            peak = gib(t.peak_gpu_bytes) if t.peak_gpu_bytes is not None else None
-            rows.append(f"{t.batch_size:>7}  {result:<16} {_num(peak, 2):>12} {_num(t.step_s, 2):>8} "
-                        f"{_num(t.samples_per_s, 1):>10}")
-        oom = f" ({self.smallest_oom} ran out of memory)" if self.smallest_oom is not None else ""
-        rows.append(f"largest fit: {self.largest_fit}{oom}, granularity {self.granularity}")
-        check = "verified" if self.verified else "NOT verified"
-        cap = f", cap {gib(self.cap_bytes):.1f} GiB" if self.cap_bytes is not None else ""
-        rows.append(f"chosen: {self.chosen} ({_pct(self.margin)} margin, {check}{cap})")
-        best = self._best_trial()
-        if best is not None:
-            rows.append(f"best throughput: {best.batch_size} ({best.samples_per_s:.1f} samples/s)")
-        return "\n".join(rows)
+        from fitone.render import probe_table
+
+        return probe_table(self)
 
     def for_global_batch(self, global_batch: int, world_size: int = 1) -> tuple[int, int]:
         """(micro-batch, accumulation steps) for `global_batch` samples per optimizer step.
@@ -162,74 +149,12 @@ class ProbeResult:
     # -- plotting -------------------------------------------------------------------------------
     def plot(self, path: str | Path) -> Path:
         """PNG of peak GPU memory and samples/s against batch size, with OOMs, the cap and the choice."""
-        # Figure + the Agg canvas directly: no pyplot, so a notebook's own backend is left alone.
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
-        from matplotlib.ticker import FuncFormatter
+        from fitone.render import plot_probe
 
-        latest = {t.batch_size: t for t in self.trials if t.fits}  # a verified size: its longer run wins
-        fits = [latest[s] for s in sorted(latest)]
-        ooms = sorted((t for t in self.trials if not t.fits), key=lambda t: t.batch_size)
-        measured = [t for t in fits if t.peak_gpu_bytes is not None]
-        peaks = [gib(t.peak_gpu_bytes) for t in measured]
-        top = max(peaks + ([gib(self.cap_bytes)] if self.cap_bytes else []) + [1.0])
+        return plot_probe(self, path)
 
-        fig = Figure(figsize=(9, 5.5), dpi=110)
-        FigureCanvasAgg(fig)
-        ax = fig.add_subplot()
-        speed_ax = ax.twinx()
-        handles = []
-        if measured:
-            handles += ax.plot([t.batch_size for t in measured], peaks, "o-", color="tab:blue",
-                               label="peak GPU memory (GiB)")
-        line = self.memory_line()
-        if line is not None and fits:
-            # many points: a straight line in memory vs size is a curve on the log2 axis
-            low, high = min(t.batch_size for t in self.trials), max(t.batch_size for t in self.trials)
-            xs = [low * (high / low) ** (i / 63) for i in range(64)]
-            handles += ax.plot(xs, [gib(line[0] + line[1] * x) for x in xs], ":", color="tab:blue", alpha=0.6,
-                               label=f"line fit: {gib(line[0]):.2f} GiB + {line[1] / 2**20:.1f} MiB/sample")
-        timed = [t for t in fits if t.samples_per_s is not None]
-        if timed:
-            handles += speed_ax.plot([t.batch_size for t in timed], [t.samples_per_s for t in timed], "s--",
-                                     color="tab:green", label="throughput (samples/s)")
-        if ooms:
-            oom_y = gib(self.cap_bytes) if self.cap_bytes else top
-            phases = sorted({t.oom_phase for t in ooms if t.oom_phase})
-            handles.append(ax.scatter([t.batch_size for t in ooms], [oom_y] * len(ooms), marker="X", s=90,
-                                      color="tab:red", zorder=5,
-                                      label="out of memory" + (f" (in {', '.join(phases)})" if phases else "")))
-            for t in ooms:
-                ax.annotate(str(t.batch_size), (t.batch_size, oom_y), textcoords="offset points", xytext=(0, 8),
-                            ha="center", va="bottom", rotation=90, fontsize=8, color="tab:red")
-        if self.cap_bytes:
-            cap_gib = gib(self.cap_bytes)
-            handles.append(ax.axhline(cap_gib, color="tab:red", linestyle="--", linewidth=1,
-                                      label=f"GPU memory cap {cap_gib:.1f} GiB"))
-            ax.annotate(f"cap {cap_gib:.1f} GiB", (0.5, cap_gib), xycoords=("axes fraction", "data"),
-                        textcoords="offset points", xytext=(0, 4), ha="center", fontsize=9, color="tab:red")
-        handles.append(ax.axvline(self.chosen, color="gray", linestyle="-.", linewidth=1,
-                                  label=f"chosen {self.chosen} ({_pct(self.margin)} margin)"))
-
-        ax.set_xscale("log", base=2)
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
-        ax.set_xlabel("micro-batch size (samples, log2 scale)")
-        ax.set_ylabel("peak GPU memory (GiB)", color="tab:blue")
-        speed_ax.set_ylabel("throughput (samples/s)", color="tab:green")
-        ax.set_ylim(0, top * 1.2)  # room above the cap for the OOM labels
-        speed_ax.set_ylim(bottom=0)
-        what = " ".join(str(self.meta[k]) for k in ("model", "precision") if self.meta.get(k))
-        ax.set_title(f"fitone probe-batch{': ' + what if what else ''} - largest fit {self.largest_fit}, "
-                     f"chosen {self.chosen}")
-        ax.grid(True, which="major", alpha=0.3)
-        ax.legend(handles=handles, loc="upper left", fontsize=8)
-        fig.tight_layout()
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, format="png")
-        return path
-
-    def _best_trial(self) -> TrialResult | None:
+    def best_trial(self) -> TrialResult | None:
+        """The trial with the most samples/s at or below `chosen`; None when none was timed."""
         # Sizes above `chosen` are inside the safety margin, so they are not offered; ties go to the smaller.
         timed = [t for t in self.trials if t.fits and t.samples_per_s is not None and t.batch_size <= self.chosen]
         return max(timed, key=lambda t: (t.samples_per_s, -t.batch_size), default=None)
@@ -315,9 +240,9 @@ def search_batch_size(
     chosen = max(1, math.floor(lo * (1 - margin) + _EPS))
     verified = False
     if verify_steps == 0:
-        log(f"largest fit {lo}; with a {_pct(margin)} margin choosing {chosen} (not verified: verify_steps=0)")
+        log(f"largest fit {lo}; with a {percent(margin)} margin choosing {chosen} (not verified: verify_steps=0)")
     else:
-        log(f"largest fit {lo}; with a {_pct(margin)} margin choosing {chosen}; verifying over {verify_steps} steps")
+        log(f"largest fit {lo}; with a {percent(margin)} margin choosing {chosen}; verifying over {verify_steps} steps")
         failed: list[int] = []
         while True:
             trial = run(chosen, verify_steps, "verify")
@@ -351,7 +276,7 @@ def search_batch_size(
         wall_s=time.perf_counter() - began,
         smallest_oom=min((t.batch_size for t in trials if not t.fits and t.batch_size > lo), default=None),
     )
-    best = result._best_trial()
+    best = result.best_trial()
     result.best_throughput = best.batch_size if best is not None else None
     if best is not None and best.batch_size != chosen:
         log(f"best throughput at {best.batch_size}: {best.samples_per_s:.1f} samples/s")
@@ -400,11 +325,3 @@ def _too_big(trial: TrialResult, cap_bytes: int | None) -> MemoryBudgetError:
     return MemoryBudgetError(
         f"batch size {trial.batch_size} runs out of GPU memory{where}{cap}: {FIX_SMALLER_FOOTPRINT}"
     )
-
-
-def _num(value: float | None, digits: int) -> str:
-    return "-" if value is None else f"{value:.{digits}f}"
-
-
-def _pct(fraction: float) -> str:
-    return f"{fraction * 100:g}%"

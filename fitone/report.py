@@ -1,7 +1,6 @@
 """Pictures and a summary of a run, from its `metrics.jsonl`: what `fitone report RUN_DIR` writes.
 
-Figures are drawn on `matplotlib.figure.Figure` with the Agg canvas, never through pyplot, so a
-notebook's own backend and open figures are left alone.
+Figures are drawn and saved by fitone.render (no pyplot: a notebook's own backend is left alone).
 """
 
 from __future__ import annotations
@@ -13,9 +12,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from fitone.config import gib, parse_size
 from fitone.errors import ConfigError, DataError
 from fitone.metrics import read_metrics
+from fitone.render import figure, save
+from fitone.units import gib, parse_size
 
 # eval numbers a record may carry (an evaluation record: step + these); drawn as points on the loss figure
 EVAL_KEYS = ("eval_loss", "exact_match")
@@ -151,30 +151,8 @@ def plot_losses(losses: Sequence[float], path: str | Path, title: str = "fitone 
 
 
 # -- the figures ---------------------------------------------------------------------------------------
-def _figure(height: float = 4.5, rows: int = 1):
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(8, height), dpi=110)
-    FigureCanvasAgg(fig)
-    axes = [fig.add_subplot(rows, 1, 1)]
-    axes += [fig.add_subplot(rows, 1, i + 1, sharex=axes[0]) for i in range(1, rows)]
-    return fig, axes
-
-
-def _save(fig, path: Path) -> Path:
-    from matplotlib.ticker import MaxNLocator
-
-    for ax in fig.axes:  # optimizer steps are whole numbers
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, format="png")
-    return path
-
-
 def _plot_loss(records: Sequence[dict[str, Any]], path: Path, title: str) -> Path:
-    fig, (ax,) = _figure()
+    fig, (ax,) = figure()
     pts = [(r["step"], r["loss"]) for r in records if _finite(r.get("loss"))]
     bad = [r["step"] for r in records if "loss" in r and not _finite(r["loss"])]
     steps, values = [s for s, _ in pts], [v for _, v in pts]
@@ -223,11 +201,11 @@ def _plot_loss(records: Sequence[dict[str, Any]], path: Path, title: str) -> Pat
         ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, fontsize=8)
     else:
         ax.legend(handles=handles, loc="upper right", fontsize=8)
-    return _save(fig, path)
+    return save(fig, path, integer_x=True)
 
 
 def _plot_throughput(records: Sequence[dict[str, Any]], path: Path, title: str) -> Path:
-    fig, (ax,) = _figure()
+    fig, (ax,) = figure()
     pts = [(r["step"], r["samples_per_s"]) for r in records if _finite(r.get("samples_per_s"))]
     if pts:
         ax.plot([s for s, _ in pts], [v for _, v in pts], color="tab:green", linewidth=1,
@@ -243,12 +221,12 @@ def _plot_throughput(records: Sequence[dict[str, Any]], path: Path, title: str) 
     ax.set_ylabel("throughput (samples/s)")
     ax.set_title(f"{title}: throughput")
     ax.grid(True, alpha=0.3)
-    return _save(fig, path)
+    return save(fig, path, integer_x=True)
 
 
 def _plot_memory(records: Sequence[dict[str, Any]], path: Path, title: str, cap_gib: float | None,
                  on_cpu: bool) -> Path:
-    fig, (gpu_ax, host_ax) = _figure(height=6.5, rows=2)
+    fig, (gpu_ax, host_ax) = figure(height=6.5, rows=2)
     panels = ((gpu_ax, "gpu_peak_gib", "GPU: peak memory allocated (torch.cuda.max_memory_allocated)",
                "peak allocated (GiB)", "tab:purple"),
               (host_ax, "host_rss_gib", "host: resident memory of the process (RSS)", "RSS (GiB)", "tab:brown"))
@@ -273,7 +251,7 @@ def _plot_memory(records: Sequence[dict[str, Any]], path: Path, title: str, cap_
             ax.legend(loc="lower right", fontsize=8)
     host_ax.set_xlabel("optimizer step")
     fig.suptitle(f"{title}: memory")
-    return _save(fig, path)
+    return save(fig, path, integer_x=True)
 
 
 # -- helpers ---------------------------------------------------------------------------------------------

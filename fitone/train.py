@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from fitone import checkpoint, memory
-from fitone.config import TrainConfig, gib
+from fitone.config import TrainConfig
 from fitone.data import (ChatFields, Dataset, batches, data_file, load_dataset, loss_tokens, open_data,
                          require_one_batch, resume_position, steps_per_epoch)
 from fitone.ds_config import build_ds_config, read_user_config, update_mode
@@ -32,6 +32,7 @@ from fitone.metrics import MetricsLog, open_sinks
 from fitone.models import (CAUSAL, SEQ2SEQ, LoadedModel, check_seq_len, enable_activation_checkpointing, load_config,
                            load_model, task_of)
 from fitone.plan import unforeseen_oom
+from fitone.units import gib
 
 
 @dataclass

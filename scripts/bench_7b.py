@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import torch
 
-GIB = 2**30
+from fitone.units import GIB
 
 
 def main(argv: list[str]) -> int:

@@ -154,7 +154,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         parser.error("--device cpu cannot run fp16 (DeepSpeed refuses it): use --precision fp32 or bf16")
     args.cap = None if cpu or str(args.cap).lower() in ("none", "0", "") else args.cap
     if args.cap is not None:
-        from fitone.config import parse_size
+        from fitone.units import parse_size
         from fitone.errors import ConfigError
 
         try:
@@ -365,7 +365,7 @@ def base_record(job: dict[str, Any], size: int, ctx: dict[str, Any]) -> dict[str
     rec: dict[str, Any] = dict.fromkeys(FIELDS)
     cap_gib = None
     if job["cap"]:
-        from fitone.config import parse_size
+        from fitone.units import parse_size
 
         cap_gib = round(parse_size(job["cap"]) / GIB, 2)
     causal = job.get("task") == "causal"
@@ -675,7 +675,7 @@ def make_batch(job: dict[str, Any], config, size: int, device) -> dict[str, Any]
 def cap_memory(job: dict[str, Any]) -> None:
     """Cap the CUDA allocator before the first allocation, as fitone's --max-gpu-memory does."""
     if job["cap"] and job["device"] == "cuda":
-        from fitone.config import parse_size
+        from fitone.units import parse_size
         from fitone.memory import cap_gpu_memory
 
         cap_gpu_memory(parse_size(job["cap"]))

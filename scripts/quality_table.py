@@ -107,9 +107,9 @@ def compare(paths: list[str], runs: list[tuple[dict[int, float], int, dict[str, 
 
 
 def plot(paths: list[str], runs: list[tuple[dict[int, float], int, dict[str, float]]], png: Path) -> Path:
-    from fitone.report import _figure, _save
+    from fitone.render import figure, save
 
-    fig, (ax,) = _figure()
+    fig, (ax,) = figure()
     for p, (losses, _, _) in zip(paths, runs):
         means = window_means(losses)
         ax.plot(list(means), list(means.values()), label=run_name(p))
@@ -117,7 +117,7 @@ def plot(paths: list[str], runs: list[tuple[dict[int, float], int, dict[str, flo
     ax.set_ylabel("training loss (10-step mean)")
     ax.set_yscale("log")
     ax.legend()
-    return _save(fig, png)
+    return save(fig, png, integer_x=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -47,7 +47,6 @@ sys.path.insert(0, str(ROOT))
 # most host RAM). The CPU recipe is the README's quick start, not run here.
 ORDER = ["t5-large/24gb", "t5-3b/80gb", "gpt2-xl/16gb", "t5-3b/24gb", "llama-7b/24gb"]
 DRY_RUN = ["t5-large/24gb", "gpt2-xl/16gb"]  # offload none (torch AdamW) and a causal LM with offload
-GIB = 1024**3
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,6 +109,7 @@ def run_one(name: str, steps: int, result_path: Path) -> int:
     from fitone.errors import FitoneError
     from fitone.models import CAUSAL, load_config, task_of
     from fitone.recipes import load_recipe
+    from fitone.units import GIB
 
     record: dict[str, Any] = {"recipe": name}
     try:

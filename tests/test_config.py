@@ -2,8 +2,9 @@
 
 import pytest
 
-from fitone.config import TrainConfig, parse_size
+from fitone.config import TrainConfig
 from fitone.errors import ConfigError
+from fitone.units import parse_size
 
 
 @pytest.mark.parametrize("text,expected", [

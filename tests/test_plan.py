@@ -18,8 +18,8 @@ from fitone.config import TrainConfig
 from fitone.errors import MemoryBudgetError
 from fitone.models import build_model, load_config
 from fitone.plan import DOES_NOT_FIT, FITS_ON_GPU, FITS_WITH_OFFLOAD, plan, preflight
+from fitone.units import GIB
 
-GIB = 1024**3
 T5_3B = dict(model="t5-3b", from_scratch=True, src_len=128, tgt_len=128, precision="fp16")
 
 

@@ -22,8 +22,8 @@ from conftest import REPO, child_env, cpu_config, run_main
 from fitone import memory
 from fitone.errors import MemoryBudgetError
 from fitone.plan import preflight
+from fitone.units import GIB
 
-GIB = 1024**3
 CI_RAM = 24 * GIB  # the CI machine of the issue: the big models' refusal must not depend on a bigger host
 
 # run fitone in a child whose host-RAM reading is at most CI_RAM (only the reading: on this 24 GiB machine it
@@ -164,6 +164,5 @@ def test_the_host_ram_figure_is_the_containers_where_it_is_less(monkeypatch, tmp
     monkeypatch.setattr(memory, "CGROUP_ROOT", v1)
     monkeypatch.setattr(memory, "PROC_CGROUP", proc)
     assert memory.host_available_bytes() == min(memory.psutil.virtual_memory().available, limit - GIB)
-    assert memory.host_total_bytes() == limit
     proc.write_text("0::/\n")  # no limit anywhere: the machine's figures
-    assert memory.cgroup_memory(v1, proc) is None and memory.host_total_bytes() == machine
+    assert memory.cgroup_memory(v1, proc) is None

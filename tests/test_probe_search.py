@@ -14,8 +14,8 @@ import pytest
 
 from fitone.errors import ConfigError, MemoryBudgetError
 from fitone.probe import ProbeResult, TrialResult, granularity_at, search_batch_size
+from fitone.units import GIB
 
-GIB = 1024**3
 MIB = 1024**2
 FIXED = 6 * GIB  # a: weights, buffers, allocator slack
 PER_SAMPLE = 50 * MIB  # b: activations of one sample

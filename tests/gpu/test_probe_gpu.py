@@ -11,7 +11,7 @@ import math
 import pytest
 from gpu_lane import metrics, needs_cuda, record, run_fitone
 
-from fitone.config import parse_size
+from fitone.units import parse_size
 from fitone.probe import ProbeResult
 
 pytestmark = [pytest.mark.gpu, needs_cuda]

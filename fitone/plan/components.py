@@ -1,0 +1,263 @@
+"""What each piece of a ZeRO-2 run holds on the GPU and in host RAM, in bytes: the component arithmetic.
+
+Model states follow what DeepSpeed 0.19's `deepspeed/runtime/zero/stage_1_and_2.py` allocates (line
+numbers cited below).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from fitone import memory
+from fitone.plan.activations import Lengths, activation_bytes
+from fitone.plan.shape import ModelShape
+from fitone.units import GIB, gib
+
+CATEGORIES = ("weights", "gradients", "optimizer", "activations", "buffers", "overhead")
+
+CUDA_CONTEXT = GIB // 2  # the CUDA context and kernels live outside the allocator (and outside any cap)
+FRAGMENTATION = 0.05  # the caching allocator reserves a little more than it hands out
+# What the process holds before any model state: python + torch + transformers + DeepSpeed (+ CUDA libs).
+# CPU: 0.4 GiB measured here for the imports. GPU box: 1.2 GiB measured on the H200 after CUDA init;
+# ANCHORS' t5-3b run settled at 63.4 GiB RSS = 61.25 GiB of states below + ~2 GiB.
+BASELINE_GPU_BOX = 2 * GIB
+BASELINE_CPU = GIB // 2
+
+
+@dataclass
+class Component:
+    name: str
+    category: str  # one of CATEGORIES
+    bytes: int
+    note: str = ""
+
+
+@dataclass
+class Plan:
+    """Predicted memory of one run. Bytes throughout; `to_dict()` adds GiB."""
+
+    model: str
+    family: str
+    n_params: int
+    precision: str
+    offload: bool
+    gpus: int
+    micro_batch: int
+    lengths: dict[str, int]
+    activation_checkpointing: bool
+    gpu: list[Component]  # per rank
+    host: list[Component]  # per rank
+    gpu_total: int
+    host_total: int  # all ranks on this host
+    gpu_limit: int | None  # what gpu_total is compared with (card memory, or allocator cap + CUDA context)
+    gpu_limit_source: str
+    host_available: int
+    activation_per_sample: int  # with the configured checkpointing
+    activation_per_sample_ckpt: int
+    activation_per_sample_no_ckpt: int
+    max_micro_batch: int | None  # largest that fits the GPU limit (0: not even 1); None without a limit
+    max_micro_batch_without_offload: int | None
+    gpu_total_without_offload: int
+    host_total_without_offload: int
+    verdict: str
+    short: dict[str, int] = field(default_factory=dict)  # resource -> bytes missing
+    suggestions: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    deepspeed_estimate: dict[str, int] | None = None
+
+    @property
+    def gpu_allocated(self) -> int:
+        """Peak bytes the CUDA allocator hands out (what torch.cuda.max_memory_allocated reports)."""
+        return sum(c.bytes for c in self.gpu if c.category != "overhead")
+
+    @property
+    def host_states(self) -> int:
+        """Host bytes of one rank beyond the process baseline: what offloading adds."""
+        return sum(c.bytes for c in self.host if c.name != "process baseline")
+
+    def by_category(self, where: str) -> dict[str, int]:
+        out = dict.fromkeys(CATEGORIES, 0)
+        for c in getattr(self, where):
+            out[c.category] += c.bytes
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        from fitone.render import plan_dict
+
+        return plan_dict(self)
+
+    def __str__(self) -> str:
+        from fitone.render import plan_text
+
+        return plan_text(self)
+
+    def plot(self, path: str) -> str:
+        """Stacked bars of where memory goes on the GPU and the host, with the limit drawn in (a PNG)."""
+        from fitone.render import plot_plan
+
+        return str(plot_plan(self, path))
+
+
+def _g(n: float) -> float:
+    """GiB as a plan shows them (3 decimals): the advice and the pre-flight's messages round the same way."""
+    return gib(n, 3)
+
+
+def _pow2(n: int) -> int:
+    """PyTorch's pinned-memory allocator rounds each block up to a power of two (CachingHostAllocator.h)."""
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+# -- one mode's components --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Setup:
+    """Everything the component arithmetic reads, from TrainConfig plus the generated DeepSpeed config."""
+
+    shape: ModelShape
+    precision: str
+    checkpointing: bool
+    lengths: Lengths
+    gpus: int
+    accumulation: int
+    bucket: int  # reduce_bucket_size, elements
+    overlap_comm: bool
+    pin_memory: bool
+    on_gpu: bool
+    delayed_update: bool = False  # a second fp32 gradient buffer (fitone.zero2.overlap)
+    pipelined_update: bool = False  # two fp32 upload chunks on the GPU (fitone.zero2.overlap)
+
+    @property
+    def w(self) -> int:
+        return 4 if self.precision == "fp32" else 2
+
+    def per_sample(self, checkpointing: bool | None = None) -> int:
+        ckpt = self.checkpointing if checkpointing is None else checkpointing
+        return activation_bytes(self.shape, precision=self.precision, checkpointing=ckpt, lengths=self.lengths)
+
+
+def _gpu_components(st: _Setup, offload: bool, micro_batch: int) -> list[Component]:
+    s, w, n = st.shape, st.w, st.gpus
+    part = math.ceil(s.n_params / n)
+    bits = "fp32" if w == 4 else "16-bit"
+    comps = [Component("weights", "weights", w * s.n_params, f"{bits}, {w} B/param (bit16_groups_flat, line 505)")]
+    nbuf = 2 if st.overlap_comm else 1
+    comps.append(Component("gradient buckets", "gradients", nbuf * st.bucket * w,
+                           f"{nbuf} x reduce_bucket_size {st.bucket:.2g} ({'overlap_comm' if nbuf == 2 else 'one'}"
+                           ", setup_buckets, lines 3266-3278)"))
+    largest = s.largest_param
+    if offload:
+        upcast = 4 * largest if w < 4 else 0
+        comps.append(Component("offload staging", "buffers", 2 * w * largest + upcast,
+                               "largest param: temp_grad_buffer_for_gpu_offload (line 659), its autograd grad"
+                               + (", fp32 copy for the CPU (line 1898)" if upcast else "")))
+        if st.pipelined_update and st.on_gpu:
+            from fitone.zero2.overlap import UPLOAD_CHUNK
+
+            comps.append(Component("pipelined-update landing", "buffers", 2 * 4 * min(UPLOAD_CHUNK, part),
+                                   "two fp32 chunks: the updated master goes up and is cast on the GPU"))
+    else:
+        comps.append(Component("gradient partition", "gradients", w * part,
+                               f"{bits} grads of this rank's partition (grads_in_partition, line 2192)"))
+        comps.append(Component("optimizer states", "optimizer", 12 * part,
+                               "fp32 master (line 560) + Adam m, v, on the GPU"))
+        comps.append(Component("largest grad", "buffers", w * largest, "autograd's grad before the bucket copy"))
+    comps.append(Component("activations", "activations", st.per_sample() * micro_batch,
+                           f"{micro_batch} x {st.per_sample() / 2**20:.1f} MiB"))
+    if not offload:  # step: fp32 grads of the partition exist once activations are gone (flatten in step())
+        backward = sum(c.bytes for c in comps)
+        step = backward - comps[-1].bytes + 4 * part
+        if step > backward:
+            comps.append(Component("step fp32 grads", "buffers", step - backward,
+                                   "optimizer step's fp32 grad partition beyond the backward peak"))
+    allocated = sum(c.bytes for c in comps)
+    if st.on_gpu:
+        comps.append(Component("CUDA context", "overhead", CUDA_CONTEXT, "outside the allocator"))
+    comps.append(Component("fragmentation margin", "overhead", int(FRAGMENTATION * allocated),
+                           f"{FRAGMENTATION:.0%} of allocated"))
+    return comps
+
+
+def _host_components(st: _Setup, offload: bool) -> list[Component]:
+    s, w, n = st.shape, st.w, st.gpus
+    part = math.ceil(s.n_params / n)
+    baseline = BASELINE_GPU_BOX if st.on_gpu else BASELINE_CPU
+    if not offload:
+        return [Component("model load", "weights", 4 * s.n_params, "fp32 weights on the CPU before they move"),
+                Component("process baseline", "overhead", baseline, "python, torch, CUDA, DeepSpeed")]
+    if st.pipelined_update:  # the lean host layout (fitone.zero2.layout): the arithmetic's 16 B/param, little else
+        from fitone.zero2.layout import GROUP_ELEMENTS
+
+        return [
+            Component("fp32 master weights", "weights", 4 * part, "4 B/param, page-locked in place"),
+            Component("fp32 gradients", "gradients", 4 * part,
+                      "4 B/param, page-locked in place; also holds the 16-bit sums between micro-batches"),
+            Component("Adam m and v", "optimizer", 8 * part, "8 B/param, DeepSpeedCPUAdam states"),
+            Component("16-bit weight staging" if w == 2 else "weight staging", "buffers",
+                      w * min(part, GROUP_ELEMENTS) + w * s.largest_param,
+                      "one parameter group's, shared by all groups + largest-param grad buffer"),
+            Component("process baseline", "overhead", baseline, "python, torch, CUDA, DeepSpeed"),
+        ]
+    pin = _pow2 if st.pin_memory else (lambda x: x)
+    pinned = " pinned" if st.pin_memory else ""
+    master, grads, staging = 4 * part, 4 * part, w * part
+    acc = sum(w * numel for numel in s.param_numels) // n if st.accumulation > 1 else 0
+    cpu_temp = w * s.largest_param
+    comps = [
+        Component("fp32 master weights", "weights", master, f"4 B/param{pinned} (line 560)"),
+        Component("fp32 gradients", "gradients", grads, f"4 B/param{pinned} (line 937)"),
+        Component("Adam m and v", "optimizer", 8 * part, "8 B/param, DeepSpeedCPUAdam states"),
+        Component("16-bit weight staging" if w == 2 else "weight staging", "buffers", staging + cpu_temp,
+                  f"{w} B/param{pinned} (line 567) + largest-param grad buffer (line 653)"),
+    ]
+    if acc:
+        comps.append(Component("accumulated grads", "buffers", acc,
+                               f"{w} B/param{pinned}, gradient accumulation {st.accumulation} (line 1824)"))
+    spare = grads if st.delayed_update else 0
+    if spare:
+        comps.append(Component("delayed-update gradients", "gradients", spare,
+                               f"4 B/param{pinned}: the next step's gradients land beside the ones being applied"))
+    if st.pin_memory:
+        exact = master + grads + staging + cpu_temp + spare
+        rounded = pin(master) + pin(grads) + pin(staging) + pin(cpu_temp) + (pin(spare) if spare else 0)
+        if acc:
+            exact += acc
+            rounded += sum(pin(w * numel) for numel in s.param_numels) // n
+        comps.append(Component("pinned rounding", "overhead", rounded - exact,
+                               "PyTorch rounds pinned blocks up to a power of two"))
+    comps.append(Component("process baseline", "overhead", baseline, "python, torch, CUDA, DeepSpeed"))
+    return comps
+
+
+def _largest_batch(fits: Callable[[int], bool], start: int) -> int:
+    """Largest b >= 0 with fits(b), for fits monotone decreasing in b."""
+    if not fits(1):
+        return 0
+    lo, hi = 1, max(2, start)
+    while fits(hi):
+        lo, hi = hi, hi * 2
+        if hi > 1 << 24:
+            return lo
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def _deepspeed_estimate(n_params: int, gpus: int, offload: bool) -> dict[str, int] | None:
+    """DeepSpeed's own numbers (the arithmetic behind estimate_zero2_model_states_mem_needs_all_live)."""
+    if not memory.cuda_ready():  # DeepSpeed falls back to its CPU accelerator itself, warning that it found no GPU
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        # DeepSpeed's logger writes to stdout from import on; keep `fitone plan --json` one JSON object
+        with contextlib.redirect_stdout(sys.stderr):
+            from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    except Exception:  # an optional comparison; never the reason a plan fails
+        return None
+    host, gpu = estimate_zero2_model_states_mem_needs(n_params, num_gpus_per_node=gpus, num_nodes=1,
+                                                      cpu_offload=offload)
+    return {"gpu": int(gpu), "host": int(host)}

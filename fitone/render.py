@@ -1,0 +1,248 @@
+"""Every table and PNG fitone draws: plans, probe results, run reports. The numbers come from elsewhere.
+
+Figures are drawn on `matplotlib.figure.Figure` with the Agg canvas, never through pyplot, so a
+notebook's own backend and open figures are left alone. matplotlib is imported only when drawing.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fitone.units import gib
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+    from fitone.plan import Component, Plan
+    from fitone.probe import ProbeResult
+
+DPI = 110
+
+
+# -- figures ---------------------------------------------------------------------------------------
+def figure(width: float = 8, height: float = 4.5, rows: int = 1, cols: int = 1) -> tuple[Figure, list[Axes]]:
+    """A bare figure and its axes, row by row; the rows of one column share their x axis."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=DPI)
+    FigureCanvasAgg(fig)
+    axes = [fig.add_subplot(rows, cols, 1)]
+    axes += [fig.add_subplot(rows, cols, i + 1, sharex=axes[0] if cols == 1 else None) for i in range(1, rows * cols)]
+    return fig, axes
+
+
+def save(fig: Figure, path: str | Path, *, integer_x: bool = False) -> Path:
+    """Write `fig` as a PNG at `path` (folders made as needed). integer_x: whole-number ticks (steps)."""
+    if integer_x:
+        from matplotlib.ticker import MaxNLocator
+
+        for ax in fig.axes:
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    return path
+
+
+# -- numbers in tables -----------------------------------------------------------------------------
+def number(value: float | None, digits: int) -> str:
+    """`value` to `digits` decimals; '-' when there is none."""
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def percent(fraction: float) -> str:
+    return f"{fraction * 100:g}%"
+
+
+# -- plans -----------------------------------------------------------------------------------------
+def plan_dict(p: Plan) -> dict[str, Any]:
+    """The plan as JSON-ready values: bytes, and GiB rounded to 3 decimals (`fitone plan --json`)."""
+
+    def comps(items: list[Component]) -> list[dict[str, Any]]:
+        return [{"name": c.name, "category": c.category, "bytes": c.bytes, "gib": gib(c.bytes, 3), "note": c.note}
+                for c in items]
+
+    return {
+        "model": p.model, "family": p.family, "n_params": p.n_params, "precision": p.precision,
+        "offload": "cpu" if p.offload else "none", "gpus": p.gpus, "micro_batch": p.micro_batch,
+        "lengths": p.lengths, "activation_checkpointing": p.activation_checkpointing,
+        "gpu_gib": gib(p.gpu_total, 3), "gpu_allocated_gib": gib(p.gpu_allocated, 3), "host_gib": gib(p.host_total, 3),
+        "gpu_limit_gib": None if p.gpu_limit is None else gib(p.gpu_limit, 3),
+        "gpu_limit_source": p.gpu_limit_source, "host_available_gib": gib(p.host_available, 3),
+        "components": {"gpu": comps(p.gpu), "host": comps(p.host)},
+        "categories_gib": {w: {k: gib(v, 3) for k, v in p.by_category(w).items()} for w in ("gpu", "host")},
+        "activation_per_sample_gib": gib(p.activation_per_sample, 3),
+        "activation_per_sample_ckpt_gib": gib(p.activation_per_sample_ckpt, 3),
+        "activation_per_sample_no_ckpt_gib": gib(p.activation_per_sample_no_ckpt, 3),
+        "max_micro_batch": p.max_micro_batch,
+        "max_micro_batch_without_offload": p.max_micro_batch_without_offload,
+        "gpu_gib_without_offload": gib(p.gpu_total_without_offload, 3),
+        "host_gib_without_offload": gib(p.host_total_without_offload, 3),
+        "verdict": p.verdict, "short_gib": {k: gib(v, 3) for k, v in p.short.items()},
+        "suggestions": p.suggestions, "notes": p.notes,
+        "deepspeed_estimate_gib": None if p.deepspeed_estimate is None
+        else {k: gib(v, 3) for k, v in p.deepspeed_estimate.items()},
+    }
+
+
+def plan_text(p: Plan) -> str:
+    """The table `fitone plan` prints: each component in GiB, the totals against the limits, the advice."""
+    mode = "ZeRO-2 + CPU offload" if p.offload else "ZeRO-2, no offload"
+    lens = " / ".join(f"{k} {v}" for k, v in p.lengths.items())
+    lines = [
+        f"{p.model}: {p.n_params / 1e9:.3g}B params ({p.family} formula), {p.precision}, {mode}, "
+        f"{p.gpus} GPU{'s' if p.gpus > 1 else ''}",
+        f"micro-batch {p.micro_batch}, {lens}, activation checkpointing "
+        f"{'on' if p.activation_checkpointing else 'off'}",
+        "",
+    ]
+    width = max(len(c.name) for c in p.gpu + p.host) + 2
+    for title, items, total, limit, limit_name in (
+        ("GPU, per rank", p.gpu, p.gpu_total, p.gpu_limit, p.gpu_limit_source),
+        ("host" + (f", per rank (x{p.gpus} ranks in the total)" if p.gpus > 1 else ""), p.host,
+         p.host_total, p.host_available, "available"),
+    ):
+        lines.append(f"{title:<{width}}{'GiB':>8}")
+        lines += [f"  {c.name:<{width - 2}}{gib(c.bytes, 3):>8.2f}   {c.note}".rstrip() for c in items]
+        of = "" if limit is None else f" of {gib(limit, 3):.2f} ({limit_name})"
+        lines += [f"  {'total':<{width - 2}}{gib(total, 3):>8.2f}{of}", ""]
+    act = (f"activations per sample: {p.activation_per_sample_ckpt / 2**20:.1f} MiB with checkpointing, "
+           f"{p.activation_per_sample_no_ckpt / 2**20:.1f} MiB without")
+    lines.append(act)
+    if p.max_micro_batch is not None:
+        lines.append(f"largest micro-batch that fits: {p.max_micro_batch} "
+                     f"(without offload: {p.max_micro_batch_without_offload})")
+    lines.append(f"without offload: GPU {gib(p.gpu_total_without_offload, 3):.2f} GiB, "
+                 f"host {gib(p.host_total_without_offload, 3):.2f} GiB")
+    if p.deepspeed_estimate:
+        ds = p.deepspeed_estimate
+        lines.append(f"DeepSpeed's own estimate (model states only): GPU {gib(ds['gpu'], 3):.2f} GiB, "
+                     f"host {gib(ds['host'], 3):.2f} GiB")
+    lines += ["", f"verdict: {p.verdict}"]
+    lines += [f"  short of {k} memory by {gib(v, 3):.2f} GiB" for k, v in p.short.items()]
+    if p.suggestions:
+        lines += ["what would help:"] + [f"  - {s}" for s in p.suggestions]
+    if p.notes:
+        lines += ["notes:"] + [f"  - {n}" for n in p.notes]
+    return "\n".join(lines)
+
+
+def plot_plan(p: Plan, path: str | Path) -> Path:
+    """Stacked bars of where memory goes on the GPU and the host, with the limit drawn in."""
+    from fitone.plan import CATEGORIES
+
+    colors = dict(zip(CATEGORIES, ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860")))
+    fig, axes = figure(width=9, height=5.5, cols=2)
+    panels = (("GPU (per rank)", "gpu", p.gpu_total, p.gpu_limit, "limit"),
+              ("host" + (f" ({p.gpus} ranks)" if p.gpus > 1 else ""), "host", p.host_total,
+               p.host_available, "available"))
+    for ax, (title, where, total, limit, limit_name) in zip(axes, panels):
+        scale = p.gpus if where == "host" else 1
+        top = max(gib(total, 3), gib(limit, 3) if limit else 0.0)
+        bottom = 0.0
+        for cat, value in p.by_category(where).items():
+            gib_value = gib(value * scale, 3)
+            ax.bar([0], [gib_value], bottom=bottom, color=colors[cat], width=0.5, label=cat)
+            if gib_value > 0.05 * top:  # small slices are left to the legend
+                ax.text(0, bottom + gib_value / 2, f"{cat} {gib_value:.1f}", ha="center", va="center",
+                        fontsize=8, color="white")
+            bottom += gib_value
+        if limit:
+            ax.axhline(gib(limit, 3), color="black", linestyle="--", linewidth=1.2)
+            ax.text(-0.58, gib(limit, 3), f"{limit_name} {gib(limit, 3):.1f} GiB", va="bottom", ha="left",
+                    fontsize=8)
+        ax.set_xlim(-0.6, 0.6)
+        ax.set_ylim(0, top * 1.12 or 1)
+        ax.set_xticks([0], [f"total {gib(total, 3):.1f} GiB"])
+        ax.set_ylabel("GiB")
+        ax.set_title(title)
+    axes[1].legend(loc="upper left", bbox_to_anchor=(1.02, 1), fontsize=8, title="category")
+    fig.suptitle(f"{p.model}, {p.precision}, micro-batch {p.micro_batch}: {p.verdict}", fontsize=10)
+    return save(fig, path)
+
+
+# -- probe results ---------------------------------------------------------------------------------
+def probe_table(r: ProbeResult) -> str:
+    """Fixed-width table of the trials in the order tried, then the answer."""
+    rows = [f"{'batch':>7}  {'result':<16} {'peak GPU GiB':>12} {'step s':>8} {'samples/s':>10}"]
+    for t in r.trials:
+        result = "fits" if t.fits else "OOM" + (f" ({t.oom_phase})" if t.oom_phase else "")
+        if t.purpose == "verify":
+            result += " verify"
+        peak = gib(t.peak_gpu_bytes) if t.peak_gpu_bytes is not None else None
+        rows.append(f"{t.batch_size:>7}  {result:<16} {number(peak, 2):>12} {number(t.step_s, 2):>8} "
+                    f"{number(t.samples_per_s, 1):>10}")
+    oom = f" ({r.smallest_oom} ran out of memory)" if r.smallest_oom is not None else ""
+    rows.append(f"largest fit: {r.largest_fit}{oom}, granularity {r.granularity}")
+    check = "verified" if r.verified else "NOT verified"
+    cap = f", cap {gib(r.cap_bytes):.1f} GiB" if r.cap_bytes is not None else ""
+    rows.append(f"chosen: {r.chosen} ({percent(r.margin)} margin, {check}{cap})")
+    best = r.best_trial()
+    if best is not None:
+        rows.append(f"best throughput: {best.batch_size} ({best.samples_per_s:.1f} samples/s)")
+    return "\n".join(rows)
+
+
+def plot_probe(r: ProbeResult, path: str | Path) -> Path:
+    """PNG of peak GPU memory and samples/s against batch size, with OOMs, the cap and the choice."""
+    from matplotlib.ticker import FuncFormatter
+
+    latest = {t.batch_size: t for t in r.trials if t.fits}  # a verified size: its longer run wins
+    fits = [latest[s] for s in sorted(latest)]
+    ooms = sorted((t for t in r.trials if not t.fits), key=lambda t: t.batch_size)
+    measured = [t for t in fits if t.peak_gpu_bytes is not None]
+    peaks = [gib(t.peak_gpu_bytes) for t in measured]
+    top = max(peaks + ([gib(r.cap_bytes)] if r.cap_bytes else []) + [1.0])
+
+    fig, (ax,) = figure(width=9, height=5.5)
+    speed_ax = ax.twinx()
+    handles = []
+    if measured:
+        handles += ax.plot([t.batch_size for t in measured], peaks, "o-", color="tab:blue",
+                           label="peak GPU memory (GiB)")
+    line = r.memory_line()
+    if line is not None and fits:
+        # many points: a straight line in memory vs size is a curve on the log2 axis
+        low, high = min(t.batch_size for t in r.trials), max(t.batch_size for t in r.trials)
+        xs = [low * (high / low) ** (i / 63) for i in range(64)]
+        handles += ax.plot(xs, [gib(line[0] + line[1] * x) for x in xs], ":", color="tab:blue", alpha=0.6,
+                           label=f"line fit: {gib(line[0]):.2f} GiB + {line[1] / 2**20:.1f} MiB/sample")
+    timed = [t for t in fits if t.samples_per_s is not None]
+    if timed:
+        handles += speed_ax.plot([t.batch_size for t in timed], [t.samples_per_s for t in timed], "s--",
+                                 color="tab:green", label="throughput (samples/s)")
+    if ooms:
+        oom_y = gib(r.cap_bytes) if r.cap_bytes else top
+        phases = sorted({t.oom_phase for t in ooms if t.oom_phase})
+        handles.append(ax.scatter([t.batch_size for t in ooms], [oom_y] * len(ooms), marker="X", s=90,
+                                  color="tab:red", zorder=5,
+                                  label="out of memory" + (f" (in {', '.join(phases)})" if phases else "")))
+        for t in ooms:
+            ax.annotate(str(t.batch_size), (t.batch_size, oom_y), textcoords="offset points", xytext=(0, 8),
+                        ha="center", va="bottom", rotation=90, fontsize=8, color="tab:red")
+    if r.cap_bytes:
+        cap_gib = gib(r.cap_bytes)
+        handles.append(ax.axhline(cap_gib, color="tab:red", linestyle="--", linewidth=1,
+                                  label=f"GPU memory cap {cap_gib:.1f} GiB"))
+        ax.annotate(f"cap {cap_gib:.1f} GiB", (0.5, cap_gib), xycoords=("axes fraction", "data"),
+                    textcoords="offset points", xytext=(0, 4), ha="center", fontsize=9, color="tab:red")
+    handles.append(ax.axvline(r.chosen, color="gray", linestyle="-.", linewidth=1,
+                              label=f"chosen {r.chosen} ({percent(r.margin)} margin)"))
+
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))
+    ax.set_xlabel("micro-batch size (samples, log2 scale)")
+    ax.set_ylabel("peak GPU memory (GiB)", color="tab:blue")
+    speed_ax.set_ylabel("throughput (samples/s)", color="tab:green")
+    ax.set_ylim(0, top * 1.2)  # room above the cap for the OOM labels
+    speed_ax.set_ylim(bottom=0)
+    what = " ".join(str(r.meta[k]) for k in ("model", "precision") if r.meta.get(k))
+    ax.set_title(f"fitone probe-batch{': ' + what if what else ''} - largest fit {r.largest_fit}, "
+                 f"chosen {r.chosen}")
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(handles=handles, loc="upper left", fontsize=8)
+    return save(fig, path)
