@@ -47,19 +47,19 @@ class Recipe:
 
     @property
     def measured(self) -> str | None:
-        """'micro-batch 20, 4.5 samples/s' from the header's `# Measured:` line (copied from bench/results/),
-        else 'probed: batch_size 30 on GPU' from a `# probe-batch:` line (`fitone probe-batch --save`);
-        None when neither holds numbers."""
-        measured = self._header_line("measured:")
-        batch = re.search(r"micro-batch (\d+)", measured)
-        speed = re.search(r"([\d.]+) samples/s", measured)
-        if batch and speed:
-            return f"micro-batch {batch.group(1)}, {speed.group(1)} samples/s"
+        """'probed: batch_size 30 on GPU' from a `# probe-batch:` line (`fitone probe-batch --save` wrote it, and
+        the batch size with it), else 'micro-batch 20, 4.5 samples/s' from the header's `# Measured:` line
+        (copied from bench/results/); None when neither holds numbers."""
         probed = self._header_line("probe-batch:")
         size = re.search(r"batch_size (\d+)", probed)
         if size:
             where = re.search(r" on (.+)$", probed)
             return f"probed: batch_size {size.group(1)}" + (f" on {where.group(1)}" if where else "")
+        measured = self._header_line("measured:")
+        batch = re.search(r"micro-batch (\d+)", measured)
+        speed = re.search(r"([\d.]+) samples/s", measured)
+        if batch and speed:
+            return f"micro-batch {batch.group(1)}, {speed.group(1)} samples/s"
         return None
 
     def _header_line(self, label: str) -> str:

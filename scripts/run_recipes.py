@@ -13,13 +13,11 @@ of the whole process (probe included), or the one-line error a refusal gave, in 
 OUT/recipes.md, with each child's log in OUT/logs/.
 
 On the GPU machine (one H200; see ../shared/gpu/README.md for the .whl prelude):
-    python3 scripts/run_recipes.py --out $OUT
-Not yet run there. From earlier runs' costs (a t5-3b probe ~90 s, an offloaded engine init 30-60 s, the
-CPU Adam build ~50 s: bench/results/2026-11-30-probe-default/, ../shared/gpu/README.md) it should take
-8-9 minutes: an estimate, not a measurement. A recipe that would start after --budget-s (540 s) is
-recorded as skipped (rerun it with --recipes NAME). llama-7b/24gb holds ~103 GiB of host RAM
-(bench/results/2026-11-30-issue19/); on a 128 GiB machine the pre-flight decides from `fitone plan`'s estimate
-refuses it in seconds (recorded as refused); the 2-GPU kind (256 GiB) runs it.
+    python3 scripts/run_recipes.py --out $OUT --recipes t5-large/24gb,t5-3b/80gb,gpt2-xl/16gb,t5-3b/24gb
+took 440 s there, the CPU Adam build included (bench/results/2026-12-01-recipes/). A device call is limited
+to 10 minutes, so llama-7b/24gb (two 7B engine inits: ~5 minutes) runs in a call of its own
+(`--recipes llama-7b/24gb`; it needs ~103 GiB of host RAM, which a 128 GiB machine has). A recipe that
+would start after --budget-s (540 s) is recorded as skipped (rerun it with --recipes NAME).
 
 On a CPU (a dry run of this script, not of the recipes): FITONE_RECIPES_DRY_RUN=1 runs two recipes with
 the tiny model of their task, fp32, short lengths, micro-batch 2 and no GPU cap.
