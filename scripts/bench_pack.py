@@ -36,6 +36,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -270,6 +271,7 @@ def run_all(args: argparse.Namespace) -> int:
                 record["padding_error"] = f"{type(exc).__name__}: {exc}"
         print(line_for(record), flush=True)
     write_results(out, s, made, records, time.monotonic() - began, args)
+    shutil.rmtree(work, ignore_errors=True)  # the data, caches and run folders: what counts is in OUT
     return 0 if all(r["status"] == "ran" for r in records) else 1
 
 
