@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 import os
 import sys
@@ -27,7 +26,9 @@ from typing import Any, Callable
 from fitone import memory
 from fitone.memory import GIB
 from fitone.config import TrainConfig, parse_size, resolve_precision
-from fitone.errors import ConfigError, MemoryBudgetError, ModelError
+from fitone.errors import ConfigError, MemoryBudgetError
+from fitone.zero2 import step_mode
+from fitone.zero2.step_mode import StepMode
 
 
 FITS_ON_GPU = "fits without offload"
@@ -86,24 +87,33 @@ def _first(config: Any, names: tuple[str, ...], default: Any = None) -> Any:
     return default
 
 
-def model_shape(cfg: TrainConfig) -> tuple[ModelShape, list[str]]:
-    """Build the model on the meta device and read its sizes. Returns the shape and notes for the user."""
-    if not cfg.model:
-        raise ModelError("no model given: pass --model (a hub id, a local dir, or a shipped name with --from-scratch)")
-    shape, notes = _model_shape(cfg.model, cfg.from_scratch)
+def model_shape(cfg: TrainConfig, config: Any = None) -> tuple[ModelShape, list[str]]:
+    """Build the model on the meta device and read its sizes. Returns the shape and notes for the user.
+    `config`: the model config a caller (training) already loaded; else it is loaded here."""
+    from fitone.models import require_model
+
+    require_model(cfg.model)
+    key = (cfg.model, cfg.from_scratch, config is not None)
+    if key not in _SHAPES:  # building even a meta model takes a second; a plan asks often
+        if len(_SHAPES) >= 16:
+            _SHAPES.pop(next(iter(_SHAPES)))
+        _SHAPES[key] = _model_shape(cfg.model, cfg.from_scratch, config)
+    shape, notes = _SHAPES[key]
     return shape, list(notes)
 
 
-@functools.lru_cache(maxsize=16)  # building even a meta model takes a second; a plan asks often
-def _model_shape(name: str, from_scratch: bool) -> tuple[ModelShape, tuple[str, ...]]:
+_SHAPES: dict[tuple[str, bool, bool], tuple[ModelShape, tuple[str, ...]]] = {}
+
+
+def _model_shape(name: str, from_scratch: bool, config: Any = None) -> tuple[ModelShape, tuple[str, ...]]:
     from fitone.models import build_model, load_config, shipped_models
 
     notes: list[str] = []
-    if not from_scratch and name in shipped_models() and not Path(name).exists():
+    if config is None and not from_scratch and name in shipped_models() and not Path(name).exists():
         # planning needs the architecture, not the weights: the shipped config is the same model
         config = load_config(name, from_scratch=True)
         notes.append(f"{name}: planned from fitone's shipped config (no weights needed)")
-    else:
+    elif config is None:
         config = load_config(name, from_scratch=from_scratch)
     from transformers.initialization import no_init_weights
 
@@ -598,13 +608,15 @@ def plan(
                       host_available=_host_available(host_mem), on_gpu=cfg.device != "cpu")
 
 
-def preflight(cfg: TrainConfig, *, micro_batch: int, world_size: int = 1) -> Plan:
+def preflight(cfg: TrainConfig, *, micro_batch: int, world_size: int = 1, config: Any = None,
+              mode: StepMode | None = None) -> Plan:
     """The refusals the plan can make from the config alone, run before any weights, probe or engine
     exist: raise MemoryBudgetError (one line, exit 2) when host RAM cannot hold the run, or when the GPU
     cannot hold it even at micro-batch 1 (weights, states, buffers; the plan's verdict at size 1),
-    instead of the kernel's OOM killer or a CUDA OOM inside DeepSpeed minutes later."""
+    instead of the kernel's OOM killer or a CUDA OOM inside DeepSpeed minutes later.
+    `config` and `mode`: the model config and step a run already loaded and decided (else done here)."""
     on_gpu = _runs_on_gpu(cfg)
-    p = _preflight_plan(cfg, micro_batch, world_size, on_gpu)
+    p = _preflight_plan(cfg, micro_batch, world_size, on_gpu, config, mode)
     need = _host_need(p, on_gpu)
     if need > p.host_available:
         fixes = ["a machine with more host RAM"]
@@ -624,7 +636,7 @@ def preflight(cfg: TrainConfig, *, micro_batch: int, world_size: int = 1) -> Pla
     if p.gpu_limit is not None:
         # the plan's verdict at the smallest micro-batch: whatever it counts (weights, buckets, optimizer
         # states, init peak) must fit before a probe or the user's batch size can matter
-        at_one = p if micro_batch == 1 else _preflight_plan(cfg, 1, world_size, on_gpu)
+        at_one = p if micro_batch == 1 else _preflight_plan(cfg, 1, world_size, on_gpu, config, mode)
         if "GPU" in at_one.short:
             fixes = []
             if not at_one.offload and at_one.verdict == FITS_WITH_OFFLOAD:
@@ -643,23 +655,27 @@ def preflight(cfg: TrainConfig, *, micro_batch: int, world_size: int = 1) -> Pla
     return p
 
 
-def host_micro_batch_bound(cfg: TrainConfig) -> int:
+def host_micro_batch_bound(cfg: TrainConfig, *, config: Any = None, mode: StepMode | None = None) -> int:
     """The largest micro-batch whose run the plan fits in available host RAM (0: not even 1). On a CPU,
     where nothing runs out of memory the way a GPU does, this is what bounds a batch-size search."""
     on_gpu = _runs_on_gpu(cfg)
     one_step = cfg.replace(global_batch=None, grad_accum=None)  # as a probe runs: every step an optimizer step
+    one_gpu = mode.on_one_gpu() if mode is not None else None
     return _largest_batch(
-        lambda b: _host_need(p := _preflight_plan(one_step, b, 1, on_gpu), on_gpu) <= p.host_available, 64)
+        lambda b: _host_need(p := _preflight_plan(one_step, b, 1, on_gpu, config, one_gpu), on_gpu) <= p.host_available,
+        64)
 
 
 def _runs_on_gpu(cfg: TrainConfig) -> bool:
     return cfg.device == "cuda" or (cfg.device == "auto" and memory.cuda_ready())
 
 
-def _preflight_plan(cfg: TrainConfig, micro_batch: int, world_size: int, on_gpu: bool) -> Plan:
+def _preflight_plan(cfg: TrainConfig, micro_batch: int, world_size: int, on_gpu: bool, config: Any = None,
+                    mode: StepMode | None = None) -> Plan:
     limit, source = _gpu_limit(cfg, None) if on_gpu else (None, "no GPU: not checked")
     return _make_plan(cfg.replace(batch_size=micro_batch), gpus=world_size, gpu_limit=limit,
-                      gpu_limit_source=source or "", host_available=_host_available(None), on_gpu=on_gpu)
+                      gpu_limit_source=source or "", host_available=_host_available(None), on_gpu=on_gpu,
+                      config=config, mode=mode)
 
 
 def _host_need(p: Plan, on_gpu: bool) -> int:
@@ -714,18 +730,18 @@ def _host_available(host_mem: int | str | None) -> int:
 
 
 def _make_plan(cfg: TrainConfig, *, gpus: int, gpu_limit: int | None, gpu_limit_source: str,
-               host_available: int, on_gpu: bool) -> Plan:
+               host_available: int, on_gpu: bool, config: Any = None, mode: StepMode | None = None) -> Plan:
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
         raise ConfigError(f"--gpus must be a positive whole number, got {gpus!r}")
     cfg = cfg.replace(precision=resolve_precision(cfg.precision, on_gpu))  # an 'auto' precision, as training picks it
-    shape, notes = model_shape(cfg)
+    shape, notes = model_shape(cfg, config)
     lengths = Lengths(cfg.src_len, cfg.tgt_len) if shape.encoder_decoder else Lengths(cfg.seq_len, cfg.seq_len)
     if cfg.pack and shape.encoder_decoder:
         raise ConfigError(f"--pack is for causal LMs; {cfg.model} is seq2seq: drop --pack")
     if cfg.pack:  # the lengths above are the worst case of padded batches, and every packed batch's
         notes = [*notes, f"--pack: every batch is full ({cfg.seq_len} tokens per row), so every step takes this memory"]
     auto = cfg.batch_size == "auto"
-    from fitone.ds_config import build_ds_config, update_mode
+    from fitone.ds_config import build_ds_config
 
     ds = build_ds_config(cfg, micro_batch=1 if auto else int(cfg.batch_size), world_size=gpus, on_gpu=on_gpu)
     zero = ds.get("zero_optimization", {})
@@ -736,7 +752,8 @@ def _make_plan(cfg: TrainConfig, *, gpus: int, gpu_limit: int | None, gpu_limit_
                 bucket=int(float(zero.get("reduce_bucket_size", 5e8))), overlap_comm=bool(zero.get("overlap_comm")),
                 pin_memory=bool(offload_cfg.get("pin_memory", False)), on_gpu=on_gpu,
                 delayed_update=cfg.delayed_update,
-                pipelined_update=update_mode(cfg, ds, world_size=gpus, on_gpu=on_gpu) == "pipelined")
+                pipelined_update=(mode or step_mode.for_config(cfg, world_size=gpus, on_gpu=on_gpu, ds=ds)).name
+                == step_mode.PIPELINED)
 
     def gpu_total(b: int, off: bool, setup: _Setup = st) -> int:
         return sum(c.bytes for c in _gpu_components(setup, off, b))
