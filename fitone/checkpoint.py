@@ -198,3 +198,22 @@ def replay_cpu_adam_steps(adam: Any) -> None:
                 adam.ds_opt_adam.adam_update(adam.opt_id, step, group["lr"], beta1, beta2, group["eps"],
                                              group["weight_decay"], group["bias_correction"], weights, weights,
                                              moments, moments)
+
+
+def export(model: torch.nn.Module, tokenizer: Any, run_dir: Path) -> Path:
+    """RUN_DIR/final/: a plain Hugging Face model dir (weights + tokenizer), loadable without DeepSpeed.
+
+    ZeRO-2 keeps full 16-bit weights on every rank, so rank 0 saves them as they are (as HF Trainer
+    does with ZeRO-2); written to a temporary dir first, then renamed.
+    """
+    from fitone.runtime import no_hf_progress_bars
+
+    final, tmp = run_dir / "final", run_dir / ".tmp-final"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.config.use_cache = True
+    with no_hf_progress_bars():
+        model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    return final

@@ -284,16 +284,16 @@ def test_the_pipelined_update_trains_exports_and_resumes(tmp_path):
 
 
 def test_by_default_a_run_takes_the_step_update_mode_names_and_says_so(monkeypatch, capsys):
-    """On one GPU the default is the pipelined update. This CPU cannot be a GPU, so `update_mode` is told
-    it is one (faked: its on_gpu argument); the rest is real: the engine the run builds, what it says."""
+    """On one GPU the default is the pipelined update. This CPU cannot be a GPU, so the step mode's decision
+    is told it is one (faked: its on_gpu argument); the rest is real: the engine the run builds, what it says."""
     import importlib
 
-    from fitone import ds_config
+    from fitone.zero2 import step_mode
 
     train_module = importlib.import_module("fitone.train")  # the module, not fitone.train the function
 
-    real = ds_config.update_mode
-    monkeypatch.setattr(train_module, "update_mode", lambda cfg, ds, **kw: real(cfg, ds, **{**kw, "on_gpu": True}))
+    real = step_mode.for_config
+    monkeypatch.setattr(step_mode, "for_config", lambda cfg, **kw: real(cfg, **{**kw, "on_gpu": True}))
     built = []  # the overlapped update each engine of a run really holds
 
     class Recorded(Engine):
