@@ -599,7 +599,7 @@ def plan(
     caps it. Without either and without a GPU, raises ConfigError. host_mem: host RAM to plan for;
     default what is available now. gpus: data-parallel ranks (ZeRO-2 partitions optimizer states).
     """
-    cfg = cfg.replace(**overrides) if cfg is not None and overrides else cfg or TrainConfig(**overrides)
+    cfg = TrainConfig.with_overrides(cfg, overrides)
     limit, source = _gpu_limit(cfg, gpu_mem)
     if limit is None:
         raise ConfigError("no GPU on this machine to plan for: pass --gpu-mem SIZE, the memory of the card "

@@ -381,6 +381,37 @@ def test_batch_size_auto_probes_frees_the_probe_then_trains_the_found_size(monke
     assert read_cached(key).chosen == 2  # saved: the next run reuses it
 
 
+def test_batch_size_auto_loads_the_model_config_once_and_builds_the_runtime_once(monkeypatch, cache_root):
+    """One run that probes (with a ceiling: the CPU has no limit to find), then trains: the config and the
+    runtime it made first are handed to the preflight, the probe and the model load. Counted under every
+    fitone module's own name for them."""
+    import sys
+
+    from fitone import models, runtime
+
+    loads, builds = [], []
+    real_load, real_build = models.load_config, runtime.build_runtime
+
+    def counting_load(*args, **kwargs):
+        loads.append(args)
+        return real_load(*args, **kwargs)
+
+    def counting_build(*args, **kwargs):
+        builds.append(args)
+        return real_build(*args, **kwargs)
+
+    for name, module in list(sys.modules.items()):
+        if name == "fitone" or name.startswith("fitone."):
+            if getattr(module, "load_config", None) is real_load:
+                monkeypatch.setattr(module, "load_config", counting_load)
+            if getattr(module, "build_runtime", None) is real_build:
+                monkeypatch.setattr(module, "build_runtime", counting_build)
+    monkeypatch.setattr(probe_run, "probe_batch", functools.partial(probe_batch, verify_steps=1, max_batch=2))
+    result = fitone.train(probe_config(batch_size="auto", max_steps=1))
+    assert result.micro_batch == 1 and result.steps == 1  # sizes 1, 2: floor(2 x 0.95) = 1
+    assert len(loads) == 1 and len(builds) == 1, (loads, builds)
+
+
 # -- on the CPU ------------------------------------------------------------------------------------
 def test_on_the_cpu_a_probe_without_a_ceiling_is_refused_before_building_anything(cache_root):
     # nothing runs out of memory on a CPU the way it does on a GPU: an uncapped search would only time sizes
