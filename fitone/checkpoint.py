@@ -13,12 +13,15 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from fitone.errors import RunDirError
+
+if TYPE_CHECKING:  # engine.py imports DeepSpeed; the checkpoint functions only call its methods
+    from fitone.engine import Engine
 
 STATE_FILE = "fitone_state.json"  # written last inside a checkpoint: its presence marks it complete
 PREFIX = "step-"
@@ -103,7 +106,7 @@ def _is_write_error(exc: BaseException) -> bool:
     return isinstance(exc, OSError) or (isinstance(exc, RuntimeError) and ("write" in text or "unexpected pos" in text))
 
 
-def save(engine, run_dir: str | Path, step: int, state: dict[str, Any], *, keep: int, is_main: bool,
+def save(engine: Engine, run_dir: str | Path, step: int, state: dict[str, Any], *, keep: int, is_main: bool,
          barrier=lambda: None) -> Path:
     """Write a complete checkpoint for `step` atomically; keep only the newest `keep`.
 
@@ -161,7 +164,7 @@ def remove_partial(run_dir: str | Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def load(engine, ckpt: Path) -> dict[str, Any]:
+def load(engine: Engine, ckpt: Path) -> dict[str, Any]:
     """Restore model, optimizer, loss scaler and LR schedule (DeepSpeed) and RNG; return fitone's state."""
     try:
         client = engine.load(str(ckpt.parent), ckpt.name)
@@ -210,7 +213,7 @@ def export(model: torch.nn.Module, tokenizer: Any, run_dir: str | Path) -> Path:
     final, tmp = run_dir / "final", run_dir / ".tmp-final"
     shutil.rmtree(tmp, ignore_errors=True)
     model.config.use_cache = True
-    from fitone.engine import no_hf_progress_bars
+    from fitone.runtime import no_hf_progress_bars
 
     with no_hf_progress_bars():
         model.save_pretrained(tmp, state_dict=host_state_dict(model), safe_serialization=True)

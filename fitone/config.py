@@ -72,7 +72,7 @@ class TrainConfig:
     delayed_update: bool = False  # one-step delayed parameter update (fitone.zero2.overlap): CPU Adam beside the GPU
     delayed_update_after: int = 20  # plain steps first
     # the update pipelined into the next forward (fitone.zero2.overlap); None: on where it helps (one GPU, CPU
-    # offload: ds_config.update_mode), False: DeepSpeed's own step, True: asked for (an error where it cannot run)
+    # offload: fitone.zero2.step_mode), False: DeepSpeed's own step, True: asked for (an error where it cannot run)
     pipelined_update: bool | None = None
     ds_config: str | None = None
     max_gpu_memory: str | None = None
@@ -114,6 +114,12 @@ class TrainConfig:
     def replace(self, **changes: Any) -> "TrainConfig":
         check_keys(changes, self.field_names(), "options")
         return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def with_overrides(cls, cfg: "TrainConfig | None", overrides: Mapping[str, Any]) -> "TrainConfig":
+        """What an API entry (train, probe_batch, plan) runs: a copy of `cfg` with `overrides`, or
+        TrainConfig(**overrides); the caller's object is never changed."""
+        return cfg.replace(**overrides) if cfg is not None else cls(**overrides)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -1,4 +1,5 @@
-"""TrainConfig -> DeepSpeed config dict. A pure function, tested by value for each option.
+"""TrainConfig -> DeepSpeed config dict. A pure function, tested by value for each option; it decides nothing
+(which optimizer step runs is fitone.zero2.step_mode's).
 
 The defaults follow the source blog's one-GPU recipe for t5-3b (ZeRO-2, optimizer on CPU, 2e8
 buckets, contiguous gradients, overlap_comm on a GPU); `--ds-config FILE` is merged on top, with
@@ -99,34 +100,6 @@ def use_torch_adamw(ds: dict[str, Any], *, fused: bool) -> None:
     if str(optimizer.get("type", "")).lower() not in ("adam", "adamw") or "torch_adam" in params:
         return
     optimizer["params"] = {**params, "torch_adam": True, "fused": fused}
-
-
-def update_mode(cfg: TrainConfig, ds: dict[str, Any], *, world_size: int = 1, on_gpu: bool = True) -> str:
-    """Which optimizer step a run takes: 'deepspeed' (ZeRO-2's own), 'pipelined' or 'delayed' (fitone.zero2.overlap).
-
-    Pipelined where it is measured faster and trains the same (bench/NOTES.md): one GPU, DeepSpeedCPUAdam
-    on the CPU. Several ranks (each would all-gather the updated partitions before any forward), a CPU
-    device (nothing to overlap with) and a `ds` (the user's --ds-config merged in) that moves the optimizer
-    off the CPU or swaps in torch.optim's Adam keep DeepSpeed's step.
-    """
-    optimizer = ds.get("optimizer") or {}
-    # both overlapped modes run DeepSpeedCPUAdam's Adam(W) on its own states; torch_adam swaps in torch.optim's
-    cpu_adam = (str(optimizer.get("type", "")).lower() in ("adam", "adamw")
-                and not (optimizer.get("params") or {}).get("torch_adam"))
-    asked = "--delayed-update" if cfg.delayed_update else "--pipelined-update" if cfg.pipelined_update else None
-    if asked and not cpu_adam:
-        raise ConfigError(f"{asked} runs DeepSpeedCPUAdam's Adam/AdamW: drop the optimizer's type or torch_adam "
-                          "from --ds-config, or drop the flag")
-    if cfg.pipelined_update and world_size > 1:
-        raise ConfigError("--pipelined-update runs on one GPU: drop it under a launcher (several GPUs take "
-                          "DeepSpeed's step)")
-    if cfg.delayed_update:
-        return "delayed"
-    if cfg.pipelined_update is not None:
-        return "pipelined" if cfg.pipelined_update else "deepspeed"
-    zero = ds.get("zero_optimization") or {}
-    offloaded = (zero.get("offload_optimizer") or {}).get("device") == "cpu"
-    return "pipelined" if on_gpu and world_size == 1 and offloaded and cpu_adam else "deepspeed"
 
 
 def lr_scheduler(cfg: TrainConfig, total_steps: int | None) -> dict[str, Any] | None:

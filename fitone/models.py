@@ -138,11 +138,20 @@ def build_model(config: PretrainedConfig, *, meta: bool = False, dtype: torch.dt
     return model
 
 
-def load_model(name: str, *, from_scratch: bool, seed: int = 0) -> LoadedModel:
-    """Weights and tokenizer: pretrained from a hub id / local dir, or built from a config."""
+def require_model(name: str | None) -> str:
+    """The one 'no model given' check, for every entry (train, probe, plan, load_model)."""
     if not name:
-        raise ModelError("no model given: pass --model (a hub id, a local dir, or a shipped name with --from-scratch)")
-    config = load_config(name, from_scratch=from_scratch)
+        raise ConfigError("no model given: pass --model NAME_OR_PATH (a hub id, a local dir, or a shipped name "
+                          "with --from-scratch) or --recipe NAME")
+    return name
+
+
+def load_model(name: str, *, from_scratch: bool, seed: int = 0, config: PretrainedConfig | None = None) -> LoadedModel:
+    """Weights and tokenizer: pretrained from a hub id / local dir, or built from a config. `config`: the
+    model config the caller already loaded (else it is loaded here)."""
+    require_model(name)
+    if config is None:
+        config = load_config(name, from_scratch=from_scratch)
     if from_scratch:
         torch.manual_seed(seed)
         model = build_model(config)

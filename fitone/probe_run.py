@@ -32,13 +32,16 @@ import torch
 from fitone import memory
 from fitone.config import TrainConfig
 from fitone.data import Dataset, load_dataset, worst_case_batch
-from fitone.ds_config import build_ds_config, update_mode
-from fitone.engine import Engine, overlap_options, resolve_device, start_runtime
+from fitone.ds_config import build_ds_config
+from fitone.engine import Engine
 from fitone.errors import ConfigError
 from fitone.models import (CAUSAL, build_model, check_seq_len, enable_activation_checkpointing, load_config,
-                           load_tokenizer, task_of)
+                           load_tokenizer, require_model, task_of)
 from fitone.plan import unforeseen_oom
 from fitone.probe import ProbeResult, TrialResult, _check_arguments, search_batch_size
+from fitone.runtime import Runtime, build_runtime
+from fitone.zero2 import step_mode
+from fitone.zero2.step_mode import StepMode
 
 Say = Callable[[str], None]
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -65,6 +68,9 @@ def probe_batch(
     use_cache: bool = True,
     say: Say = print,
     on_model: Callable[[torch.nn.Module], None] | None = None,
+    runtime: Runtime | None = None,
+    config: Any = None,
+    mode: StepMode | None = None,
     **overrides: Any,
 ) -> ProbeResult:
     """The largest micro-batch that trains on this GPU, its margin-backed choice, and what each trial measured.
@@ -74,23 +80,35 @@ def probe_batch(
     result is always saved. `max_batch` defaults to 4096 on a GPU; on the CPU it must be given (see the
     module's docstring) and the plan's host RAM bounds it. `on_model` is called with the probe's model
     before the engine is built (tests use it to add hooks); its effect is saved like any result, so point
-    FITONE_CACHE_DIR elsewhere.
+    FITONE_CACHE_DIR elsewhere. `runtime`, `config` and `mode`: the started runtime, model config (its
+    lengths checked) and step mode of a training run that probes first; a standalone probe makes its own.
     `wall_s` covers everything from the call: model build, engine init, the search and teardown.
     """
     began = time.perf_counter()
-    cfg = cfg.replace(**overrides) if cfg is not None else TrainConfig(**overrides)
+    cfg = TrainConfig.with_overrides(cfg, overrides)
     _check_arguments(max_batch=DEFAULT_MAX_BATCH if max_batch is None else max_batch, max_trials=max_trials,
                      margin=margin, start=1, verify_steps=verify_steps, trial_steps=1)
-    device, _ = prepare(cfg, runtime=False)
-    config = load_config(cfg.model, from_scratch=cfg.from_scratch)
-    check_seq_len(config, cfg.seq_len, cfg.model)
+    standalone = runtime is None
+    if standalone:
+        require_model(cfg.model)
+        runtime = build_runtime(cfg)
+    if config is None:
+        config = load_config(cfg.model, from_scratch=cfg.from_scratch)
+        check_seq_len(config, cfg.seq_len, cfg.model)
+    # a probe runs on one GPU: the step these settings take there
+    mode = (mode or step_mode.for_config(cfg, world_size=1, on_gpu=runtime.on_gpu)).on_one_gpu()
+    device = runtime.device
     if cfg.preflight:  # what the plan refuses from the config alone, as training does, before the runtime
         from fitone.plan import preflight
 
-        preflight(cfg, micro_batch=1, world_size=1)
-    max_batch = _search_ceiling(cfg, device, max_batch, say)
-    prepare(cfg)
-    key = probe_key(cfg, config, device)
+        preflight(cfg, micro_batch=1, world_size=1, config=config, mode=mode)
+    max_batch = _search_ceiling(cfg, device, max_batch, say, config, mode)
+    if standalone:
+        runtime.start()
+        if runtime.world_size > 1:
+            raise ConfigError(f"probe-batch runs on one GPU, but this is rank {runtime.rank} of {runtime.world_size}: "
+                              "run `fitone probe-batch` without a launcher, then train with --batch-size N")
+    key = probe_key(cfg, config, device, mode)
     search = {"max_batch": max_batch, "max_trials": max_trials, "margin": margin, "verify_steps": verify_steps}
     cached = (read_cached(key, search) or read_cached(capped_key(key), search)) if use_cache else None
     if cached is not None:
@@ -99,7 +117,7 @@ def probe_batch(
             f"config, precision, lengths, GPU and cap{capped}; --no-cache measures again)")
         result = cached
     else:
-        session = ProbeSession(cfg, config, device, say=say, on_model=on_model)
+        session = ProbeSession(cfg, config, device, mode=mode, say=say, on_model=on_model)
         try:
             result = search_batch_size(session.try_size, cap_bytes=session.cap_bytes, log=say, **search)
             result.meta.update(session.meta())
@@ -123,18 +141,19 @@ def probe_batch(
     return result
 
 
-def batch_size_for_training(cfg: TrainConfig, say: Say = print) -> int:
+def batch_size_for_training(cfg: TrainConfig, runtime: Runtime, config: Any, mode: StepMode, say: Say = print) -> int:
     """The micro-batch for `--batch-size auto`: a saved probe for these settings, else a new probe.
 
-    Runs before the training model loads; the probe's model and engine are freed before this returns.
-    With --global-batch the micro-batch is the largest size <= the probe's choice that divides it.
+    Runs before the training model loads, on training's started runtime, model config and step mode; the
+    probe's model and engine are freed before this returns. With --global-batch the micro-batch is the
+    largest size <= the probe's choice that divides it.
     """
-    device, world_size = prepare(cfg, ranks_ok=True)
-    config = load_config(cfg.model, from_scratch=cfg.from_scratch)
+    world_size = runtime.world_size
     # A ZeRO-2 rank holds the same 16-bit weights, buckets and activations as one GPU alone (measured:
     # 10.7 GiB peak at micro-batch 64 for t5-3b on one and on two H200s), so a one-GPU probe gives the
     # per-GPU micro-batch; ranks cannot probe together (an OOM on one rank hangs the others' collectives).
-    result = read_cached(probe_key(cfg, config, device), full_only=True)  # any search settings; never a capped one
+    # any search settings; never a capped one
+    result = read_cached(probe_key(cfg, config, runtime.device, mode), full_only=True)
     if result is not None:
         say(f"--batch-size auto: reusing the probe saved {result.meta.get('date', '')} in "
             f"{result.meta['cache_file']}")
@@ -144,7 +163,7 @@ def batch_size_for_training(cfg: TrainConfig, say: Say = print) -> int:
                           "--[no-]pipelined-update flag without a launcher first (or pass --batch-size N)")
     else:
         say("--batch-size auto: no saved probe for this model, precision, lengths, GPU and cap: probing first")
-        result = probe_batch(cfg, use_cache=False, say=say)
+        result = probe_batch(cfg, use_cache=False, say=say, runtime=runtime, config=config, mode=mode)
     how = f"largest fit {result.largest_fit}, {result.margin * 100:g}% margin"
     if cfg.global_batch is not None:
         micro, accum = result.for_global_batch(cfg.global_batch, world_size)
@@ -200,7 +219,8 @@ def save_to_recipe(result: ProbeResult, recipe_path: str | Path) -> Path:
 # one engine, many trials
 # ================================================================================================
 
-def _search_ceiling(cfg: TrainConfig, device: str, max_batch: int | None, say: Say) -> int:
+def _search_ceiling(cfg: TrainConfig, device: str, max_batch: int | None, say: Say, config: Any,
+                    mode: StepMode) -> int:
     """The largest size the search may try. A GPU's search ends where memory runs out; on the CPU nothing
     does, so the caller must set the ceiling, and the plan's host RAM lowers it (beyond, the OOM killer)."""
     if device == "cuda":
@@ -213,30 +233,12 @@ def _search_ceiling(cfg: TrainConfig, device: str, max_batch: int | None, say: S
     if cfg.preflight:
         from fitone.plan import host_micro_batch_bound
 
-        bound = host_micro_batch_bound(cfg)
+        bound = host_micro_batch_bound(cfg, config=config, mode=mode)
         if 0 < bound < max_batch:
             say(f"on the CPU: the search stops at micro-batch {bound}, the largest the plan fits in host RAM "
                 f"(max_batch was {max_batch})")
             return bound
     return max_batch
-
-
-def prepare(cfg: TrainConfig, *, ranks_ok: bool = False, runtime: bool = True) -> tuple[str, int]:
-    """Device, distributed env and GPU cap, as training sets them up. Returns (device, world size).
-
-    A probe itself runs in one process; `ranks_ok` lets `--batch-size auto` under a launcher through,
-    to reuse a one-GPU probe. `runtime=False` checks the model and device only (world size 1).
-    """
-    if not cfg.model:
-        raise ConfigError("no model given: pass --model NAME_OR_PATH (or --recipe NAME)")
-    device = resolve_device(cfg)
-    if not runtime:
-        return device, 1
-    info = start_runtime(cfg, device)
-    if info.world_size > 1 and not ranks_ok:
-        raise ConfigError(f"probe-batch runs on one GPU, but this is rank {info.rank} of {info.world_size}: run "
-                          "`fitone probe-batch` without a launcher, then train with --batch-size N")
-    return device, info.world_size
 
 
 class ProbeSession:
@@ -245,14 +247,17 @@ class ProbeSession:
     An out-of-memory error becomes `TrialResult(fits=False, oom_phase=...)`; any other error propagates.
     """
 
-    def __init__(self, cfg: TrainConfig, config, device: str, *, say: Say = print,
+    def __init__(self, cfg: TrainConfig, config: Any, device: str, *, mode: StepMode | None = None, say: Say = print,
                  on_model: Callable[[torch.nn.Module], None] | None = None):
+        """`mode`: the run's step mode (a probe runs it as on one GPU); decided here when not given."""
         self.cfg, self.config, self.device, self.say, self.on_model = cfg, config, device, say, on_model
         self.task = task_of(config)
         self.cap_bytes = cfg.max_gpu_memory_bytes or memory.gpu_total_bytes()
         self.data, self.pad_id = self._worst_case_source()
         self.ds_config = probe_ds_config(cfg, device)
-        self.update = update_mode(cfg, self.ds_config, on_gpu=device == "cuda")  # training's, on one GPU
+        self.mode = (mode or step_mode.for_config(cfg, world_size=1, on_gpu=device == "cuda",
+                                                  ds=self.ds_config)).on_one_gpu()  # training's, on one GPU
+        self.update = self.mode.name
         self.rebuilds = 0
         self.skipped_steps = 0
         self.init_s = 0.0  # engine init, over every engine this session built
@@ -295,7 +300,7 @@ class ProbeSession:
                      f"(optimizer on {'the CPU' if cfg.offload == 'cpu' else 'the GPU'})")
         torch.manual_seed(cfg.seed)  # dropout masks, as in training
         with unforeseen_oom("engine init", verbose=cfg.verbose):
-            self.engine = Engine(self.model, self.ds_config, **overlap_options(cfg, self.update))
+            self.engine = Engine(self.model, self.ds_config, **self.mode.engine_options())
         self.engine.ds.train()
         self.init_s += self.engine.init_s
         self.say(f"engine ready in {self.engine.init_s:.1f} s")
@@ -478,8 +483,9 @@ def cache_dir() -> Path:
     return Path(root) / "probes"
 
 
-def probe_key(cfg: TrainConfig, config, device: str) -> dict[str, Any]:
-    """Everything that decides how much memory a step takes (the weights' values do not)."""
+def probe_key(cfg: TrainConfig, config: Any, device: str, mode: StepMode | None = None) -> dict[str, Any]:
+    """Everything that decides how much memory a step takes (the weights' values do not). `mode`: the run's
+    step mode (decided here when not given); the key holds the one a one-GPU probe of it runs."""
     import deepspeed
 
     import fitone
@@ -496,7 +502,8 @@ def probe_key(cfg: TrainConfig, config, device: str) -> dict[str, Any]:
         "expandable_segments": cfg.expandable_segments if device == "cuda" else None,
         "world_size": 1, "fitone": fitone.__version__, "deepspeed": deepspeed.__version__,
     }
-    if update_mode(cfg, probe_ds_config(cfg, device), on_gpu=device == "cuda") == "pipelined":
+    mode = mode or step_mode.for_config(cfg, world_size=1, on_gpu=device == "cuda", ds=probe_ds_config(cfg, device))
+    if mode.on_one_gpu().name == step_mode.PIPELINED:
         key["pipelined_update"] = True  # its landing chunks take GPU memory (the delayed update's extra is on the host)
     return key
 

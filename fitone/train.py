@@ -1,16 +1,15 @@
-"""The training story: setup (run dir, device, model, data, engine) -> loop -> export -> cleanup.
+"""The training story: setup (run dir, runtime, model, data, engine) -> loop -> export -> cleanup.
 
 `train(cfg)` is what `fitone train` and notebooks call. Every memory-relevant step of the loop is
-visible here; the DeepSpeed specifics live in engine.py, the files in checkpoint.py and metrics.py.
+visible here; each builder of `setup` returns what it built. The process setup lives in runtime.py, the
+DeepSpeed specifics in engine.py and zero2/, the run directory in rundir.py, the files in checkpoint.py
+and metrics.py, held-out scoring in evaluate.py.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import random
-import shutil
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -19,20 +18,25 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformers import PretrainedConfig
 
 from fitone import checkpoint, memory
 from fitone.config import TrainConfig
-from fitone.data import (ChatFields, Dataset, batches, data_file, load_dataset, loss_tokens, open_data,
+from fitone.data import (ChatFields, Dataset, Rows, batches, data_file, load_dataset, loss_tokens, open_data,
                          require_one_batch, resume_position, steps_per_epoch)
-from fitone.ds_config import build_ds_config, read_user_config, update_mode
-from fitone.engine import DistInfo, Engine, cpu_adam_built, overlap_options, resolve_device, start_runtime
-from fitone.errors import ConfigError, MemoryBudgetError, RunDirError, TrainingAborted
+from fitone.ds_config import build_ds_config, read_user_config
+from fitone.engine import Engine, cpu_adam_built
+from fitone.errors import ConfigError, MemoryBudgetError, TrainingAborted
+from fitone.evaluate import HeldOut, score
 from fitone.guards import BadStepStreak, HostMemoryWatch, StopRequest, is_loss_scale_collapse, numerics_advice
-from fitone.metrics import MetricsLog, open_sinks
+from fitone.metrics import MetricsLog
 from fitone.models import (CAUSAL, SEQ2SEQ, LoadedModel, check_seq_len, enable_activation_checkpointing, load_config,
-                           load_model, task_of)
+                           load_model, require_model, task_of)
 from fitone.plan import unforeseen_oom
+from fitone.rundir import check_run_dir, setup_run_dir
+from fitone.runtime import Runtime, build_runtime
 from fitone.units import gib
+from fitone.zero2 import step_mode
 
 
 @dataclass
@@ -60,7 +64,7 @@ class TrainResult:
     truncated_examples: int = 0
     lrs: list[float] = field(default_factory=list)  # learning rate after each optimizer step of this call
     evals: list[dict[str, float]] = field(default_factory=list)  # each held-out score of this call, with its step
-    update: str = "deepspeed"  # the optimizer step that ran: deepspeed, pipelined or delayed (ds_config.update_mode)
+    update: str = "deepspeed"  # the optimizer step that ran: deepspeed, pipelined or delayed (zero2.step_mode)
 
     def __repr__(self) -> str:  # a notebook shows the summary, not every loss
         return str(self)
@@ -95,8 +99,7 @@ def _last(xs: list[float]) -> float:
 
 def train(cfg: TrainConfig | None = None, **overrides: Any) -> TrainResult:
     """Fine-tune with DeepSpeed ZeRO-2 (+ CPU offload) in this process. See TrainConfig for options."""
-    cfg = cfg.replace(**overrides) if cfg is not None else TrainConfig(**overrides)
-    run = Trainer(cfg)
+    run = Trainer(TrainConfig.with_overrides(cfg, overrides))
     try:
         run.setup()
         return run.train()
@@ -104,204 +107,198 @@ def train(cfg: TrainConfig | None = None, **overrides: Any) -> TrainResult:
         run.cleanup()
 
 
+@dataclass
+class _Inputs:
+    """What the cheap checks opened: the data rows (tokenised once the tokenizer is loaded)."""
+
+    rows: Rows | None
+    eval_rows: Rows | None
+    eval_fields: tuple[str, ...]  # exact match compares a seq2seq row's second
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig):
         self.cfg = cfg
-        self.engine: Engine | None = None
         self.started = time.perf_counter()
+        self.runtime: Runtime | None = None  # until setup builds it, every rank speaks (_say)
+        self.engine: Engine | None = None
+        self.loaded: LoadedModel | None = None
+        self.metrics = MetricsLog(None)  # the run directory's, once set up
+        self.out: Path | None = None
+        self.bad = BadStepStreak(cfg.max_bad_steps)  # NaN/overflow streaks; _abort reads it from any point
+        self.state: dict[str, Any] = {"step": 0, "epoch": 0, "batch": 0}
 
     # -- setup ----------------------------------------------------------------------------------
     def setup(self) -> None:
         cfg = self.cfg
-        if not cfg.model:
-            raise ConfigError("no model given: pass --model NAME_OR_PATH (or --recipe NAME)")
+        require_model(cfg.model)
         # everything a user can get wrong is checked first: a mistake costs no weight loading or engine
         # init, and nothing is written until the run directory is set up at the very end
-        self.resume_from = self._check_run_dir()
-        self.device = resolve_device(cfg)
-        self._check_inputs()
+        self.resume_from = check_run_dir(cfg.out, resume=cfg.resume, overwrite=cfg.overwrite, model=cfg.model)
+        self.runtime = runtime = build_runtime(cfg)  # the device and world size; nothing heavy started yet
+        self.config = load_config(cfg.model, from_scratch=cfg.from_scratch)  # once per run: a config, no weights
+        inputs = self._check_inputs(self.config, runtime.world_size)
+        # which optimizer step: decided once (and a flag it cannot honour refused) before any weights load
+        self.mode = step_mode.for_config(cfg, world_size=runtime.world_size, on_gpu=runtime.on_gpu)
         # what the plan can refuse from the config alone (host RAM, the GPU at micro-batch 1) is refused
-        # before the runtime (DeepSpeed's may first build an op), a probe, the weights or an engine exist;
+        # before the runtime starts (DeepSpeed's may first build an op), a probe, the weights or an engine exist;
         # an 'auto' size is checked at 1 here, then at its probed size
-        self._preflight(1 if cfg.batch_size == "auto" else int(cfg.batch_size),
-                        int(os.environ.get("WORLD_SIZE", "1")))
-        self.dist: DistInfo = start_runtime(cfg, self.device)
-        if self.dist.note:
-            self._say(self.dist.note)
-        # which optimizer step: decided (and a flag it cannot honour refused) before any weights load; the
-        # sections it reads do not depend on the micro-batch, which may still be 'auto'
-        on_gpu = self.device == "cuda"
-        self.update = update_mode(cfg, build_ds_config(cfg, micro_batch=1, on_gpu=on_gpu),
-                                  world_size=self.dist.world_size, on_gpu=on_gpu)
+        self._preflight(1 if cfg.batch_size == "auto" else int(cfg.batch_size))
+        note = runtime.start()
+        if note:
+            self._say(note)
         # an 'auto' batch size is probed first, on its own model copy, before this run's weights load
         self.micro_batch = self._resolve_batch_size()
         if cfg.batch_size == "auto":
-            self._preflight(self.micro_batch, self.dist.world_size)
+            self._preflight(self.micro_batch)
         with unforeseen_oom("model build", verbose=cfg.verbose):
-            self._setup_model()
-        self._setup_data()
-        self.accum = cfg.accumulation(self.micro_batch, self.dist.world_size)
+            self.loaded = self._setup_model(self.config)
+        self.data = self._setup_data(self.loaded, inputs.rows)
+        self.held_out = self._setup_held_out(self.loaded, inputs)
+        self.accum = cfg.accumulation(self.micro_batch, runtime.world_size)
         self.total_steps = self._total_steps()
-        self._setup_engine()
-        self._setup_run_dir()
+        self.engine = self._setup_engine(self.loaded.model)
+        self.state, self.resumed_step = self._restore(self.resume_from)
+        self.out, self.metrics = self._setup_run_dir()
 
-    def _check_run_dir(self) -> Path | None:
-        """Refuse to touch an existing run unless asked; find what to resume. Nothing is written yet."""
+    def _check_inputs(self, config: PretrainedConfig, world_size: int) -> _Inputs:
+        """Cheap checks of the lengths, batch arithmetic, --ds-config and the data file."""
         cfg = self.cfg
-        if cfg.out is None:
-            if cfg.resume:
-                raise RunDirError("--resume needs --out: the run directory to continue")
-            return None
-        out = Path(cfg.out)
-        if out.exists() and not out.is_dir():
-            raise RunDirError(f"--out {out} is a file: give a directory path")
-        if cfg.resume:
-            ckpt = checkpoint.latest(out)
-            if ckpt is None:
-                raise RunDirError(f"nothing to resume in {out}: no complete checkpoint (train with --save-every N "
-                                  "to write them), or drop --resume to start fresh")
-            saved_model = checkpoint.read_state(ckpt).get("model")
-            if saved_model not in (None, cfg.model):
-                raise RunDirError(f"{ckpt} is a checkpoint of model {saved_model!r}, not {cfg.model!r}: resume with "
-                                  f"--model {saved_model} or use another --out")
-            return ckpt
-        if out.exists() and any(out.iterdir()):
-            if not cfg.overwrite:
-                raise RunDirError(f"--out {out} already holds a run: add --resume to continue it, --overwrite to "
-                                  "replace it, or choose another directory")
-            if not _is_run_dir(out):  # --overwrite deletes the folder: never one that fitone did not write
-                raise RunDirError(f"--out {out} holds files that are not a fitone run, and --overwrite would delete "
-                                  "them: choose a new or empty directory")
-        return None
-
-    def _check_inputs(self) -> None:
-        """Cheap checks of the model name, lengths, batch arithmetic, --ds-config and the data file."""
-        cfg = self.cfg
-        config = load_config(cfg.model, from_scratch=cfg.from_scratch)  # a config only: no weights yet
         task = task_of(config)
         check_seq_len(config, cfg.seq_len, cfg.model)
         if cfg.ds_config:
             read_user_config(cfg.ds_config)
         if cfg.batch_size != "auto":
-            cfg.accumulation(int(cfg.batch_size), int(os.environ.get("WORLD_SIZE", "1")))
+            cfg.accumulation(int(cfg.batch_size), world_size)
         # opened (converted to Arrow once, memory-mapped) and checked now, tokenised after the model; this also
         # refuses --prompt-field and --pack on a seq2seq model
-        self._rows = open_data(cfg, task)
-        if self._rows is not None and isinstance(self._rows.fields, ChatFields):
+        rows = open_data(cfg, task)
+        if rows is not None and isinstance(rows.fields, ChatFields):
             from fitone.data import chat_tokenizer
             from fitone.models import load_tokenizer
 
-            chat_tokenizer(load_tokenizer(cfg.model, config), cfg.chat_template, self._rows.source)
+            chat_tokenizer(load_tokenizer(cfg.model, config), cfg.chat_template, rows.source)
         held_out = data_file(cfg, task, split="eval")
         if cfg.eval_every and held_out is None:
             raise ConfigError(f"--eval-every needs held-out data and --data {cfg.data} has none: "
                               "add --eval-data FILE.jsonl")
-        self._eval_fields = held_out[1] if held_out else ()  # exact match compares a seq2seq row's second
         # a user's held-out file is read (and so checked) now too; config validation ensured eval_examples > 0
-        self._eval_rows = open_data(cfg, task, split="eval") if cfg.eval_data else None
+        return _Inputs(rows=rows, eval_rows=open_data(cfg, task, split="eval") if cfg.eval_data else None,
+                       eval_fields=held_out[1] if held_out else ())
 
-    def _setup_model(self) -> None:
+    def _setup_model(self, config: PretrainedConfig) -> LoadedModel:
         cfg = self.cfg
-        self.loaded: LoadedModel = load_model(cfg.model, from_scratch=cfg.from_scratch, seed=cfg.seed)
-        self.loaded.model.config.use_cache = False  # training needs no KV cache; with one, packed rows go unseen
+        loaded = load_model(cfg.model, from_scratch=cfg.from_scratch, seed=cfg.seed, config=config)
+        loaded.model.config.use_cache = False  # training needs no KV cache; with one, packed rows go unseen
         if cfg.activation_checkpointing:
-            enable_activation_checkpointing(self.loaded.model)
+            enable_activation_checkpointing(loaded.model)
+        return loaded
 
-    def _setup_data(self) -> None:
-        cfg, m = self.cfg, self.loaded
-        self.data: Dataset = load_dataset(cfg, m.task, m.tokenizer, m.config.vocab_size, rows=self._rows)
-        self.eval_data = None if cfg.eval_examples == 0 else \
-            load_dataset(cfg, m.task, m.tokenizer, m.config.vocab_size, split="eval", rows=self._eval_rows)
-        self.pad_id = m.tokenizer.pad_token_id
-        require_one_batch(self.data, self.micro_batch, self.dist.world_size)
-        if self.data.truncated:
+    def _setup_data(self, m: LoadedModel, rows: Rows | None) -> Dataset:
+        cfg = self.cfg
+        data = load_dataset(cfg, m.task, m.tokenizer, m.config.vocab_size, rows=rows)
+        require_one_batch(data, self.micro_batch, self.runtime.world_size)
+        if data.truncated:
             limits = (f"--seq-len {cfg.seq_len}" if m.task == CAUSAL
                       else f"--src-len {cfg.src_len} / --tgt-len {cfg.tgt_len}")
-            examples = self.data.packed_from or len(self.data)
-            self._say(f"{self.data.truncated} of {examples} examples were longer than {limits} and were "
+            examples = data.packed_from or len(data)
+            self._say(f"{data.truncated} of {examples} examples were longer than {limits} and were "
                       "truncated (raise the limits to keep them whole)")
-        if self.data.dropped:
-            self._say(f"{self.data.dropped} conversations have no assistant tokens within --seq-len {cfg.seq_len} "
+        if data.dropped:
+            self._say(f"{data.dropped} conversations have no assistant tokens within --seq-len {cfg.seq_len} "
                       "and were left out (nothing to learn from them)")
-        if self.data.packed_from is not None:
-            self._say(f"packed {self.data.packed_from} examples into {len(self.data)} rows of {cfg.seq_len} tokens")
+        if data.packed_from is not None:
+            self._say(f"packed {data.packed_from} examples into {len(data)} rows of {cfg.seq_len} tokens")
+        return data
+
+    def _setup_held_out(self, m: LoadedModel, inputs: _Inputs) -> HeldOut | None:
+        """What held-out scoring reads; None where nothing is scored (no examples asked, or not rank 0)."""
+        cfg = self.cfg
+        if cfg.eval_examples == 0:
+            return None
+        data = load_dataset(cfg, m.task, m.tokenizer, m.config.vocab_size, split="eval", rows=inputs.eval_rows)
+        if data is None or not self.runtime.is_main:
+            return None
+        return HeldOut(data=data, examples=cfg.eval_examples,
+                       answer_field=inputs.eval_fields[1] if m.task == SEQ2SEQ else None,
+                       batch=max(1, min(16, self.micro_batch)), pad_id=m.tokenizer.pad_token_id, tgt_len=cfg.tgt_len)
 
     def _resolve_batch_size(self) -> int:
         if self.cfg.batch_size != "auto":
             return int(self.cfg.batch_size)
         from fitone.probe_run import batch_size_for_training
 
-        return batch_size_for_training(self.cfg, say=self._say)
+        return batch_size_for_training(self.cfg, self.runtime, self.config, self.mode, say=self._say)
 
     def _total_steps(self) -> int:
         if self.cfg.max_steps is not None:
             return self.cfg.max_steps
-        per_epoch = steps_per_epoch(self.data, self.micro_batch, self.dist.world_size, self.accum)
+        per_epoch = steps_per_epoch(self.data, self.micro_batch, self.runtime.world_size, self.accum)
         return max(1, math.ceil(per_epoch * self.cfg.epochs))
 
-    def _preflight(self, micro_batch: int, world_size: int) -> None:
+    def _preflight(self, micro_batch: int) -> None:
         """Stop before anything is allocated if the plan says host RAM or the GPU cannot hold the run."""
         if not self.cfg.preflight:
             return
         from fitone.plan import preflight
 
-        preflight(self.cfg, micro_batch=micro_batch, world_size=world_size)
+        preflight(self.cfg, micro_batch=micro_batch, world_size=self.runtime.world_size, config=self.config,
+                  mode=self.mode)
 
-    def _setup_engine(self) -> None:
-        ds_config = build_ds_config(self.cfg, micro_batch=self.micro_batch, world_size=self.dist.world_size,
-                                    total_steps=self.total_steps, on_gpu=self.device == "cuda")
+    def _setup_engine(self, model: torch.nn.Module) -> Engine:
+        cfg = self.cfg
+        ds_config = build_ds_config(cfg, micro_batch=self.micro_batch, world_size=self.runtime.world_size,
+                                    total_steps=self.total_steps, on_gpu=self.runtime.on_gpu)
         memory.reset_gpu_peak()
-        if self.cfg.offload == "cpu" and not cpu_adam_built():
+        if cfg.offload == "cpu" and not cpu_adam_built():
             self._say("building DeepSpeed's CPU Adam once for this machine "
                       "(~1.5 minutes on 2 cores; cached for later runs)")
-        with unforeseen_oom("engine init", verbose=self.cfg.verbose):
-            self.engine = Engine(self.loaded.model, ds_config, **overlap_options(self.cfg, self.update))
-        if self.update == "pipelined" and self.cfg.pipelined_update is None:
+        with unforeseen_oom("engine init", verbose=cfg.verbose):
+            engine = Engine(model, ds_config, **self.mode.engine_options())
+        if self.mode.name == step_mode.PIPELINED and cfg.pipelined_update is None:
             self._say("optimizer step: the pipelined update (CPU Adam and upload overlapped with the next forward; "
                       "the same arithmetic as DeepSpeed's step, ~1.4x faster); --no-pipelined-update for DeepSpeed's")
-        if self.cfg.delayed_update:
-            self._say(f"delayed parameter update after {self.cfg.delayed_update_after} plain steps: each step's "
+        if cfg.delayed_update:
+            self._say(f"delayed parameter update after {cfg.delayed_update_after} plain steps: each step's "
                       "CPU Adam runs while the GPU computes the next step, on weights one update old; it trains "
                       "worse (t5-large: 4.8x the default's loss after 300 steps): prefer --pipelined-update")
-        self.state = {"step": 0, "epoch": 0, "batch": 0}
-        self.resumed_step: int | None = None  # read now: that checkpoint may be pruned before the run ends
-        _seed(self.cfg.seed)  # dropout draws from here on; a resume replaces this with the checkpoint's RNG
-        if self.resume_from is not None:
-            self.state = checkpoint.load(self.engine, self.resume_from)
-            self.resumed_step = int(self.state["step"])
-            self._say(f"resumed from {self.resume_from} (step {self.state['step']})")
-            was = int(self.state.get("micro_batch", self.micro_batch)) * int(self.state.get("world_size", 1))
-            now = self.micro_batch * self.dist.world_size
-            if was != now:  # e.g. a lower --batch-size after an OOM: continue at the same example
-                self.state["epoch"], self.state["batch"] = resume_position(self.state["epoch"], self.state["batch"],
-                                                                           was, now)
-                self._say(f"examples per micro-step changed from {was} to {now}: continuing at the same place "
-                          f"in epoch {self.state['epoch']}")
+        return engine
 
-    def _setup_run_dir(self) -> None:
+    def _restore(self, resume_from: Path | None) -> tuple[dict[str, Any], int | None]:
+        """The loop's position, and the step resumed from (read now: that checkpoint may be pruned before the
+        run ends). Also seeds this run's random draws, or restores the checkpoint's."""
+        state = {"step": 0, "epoch": 0, "batch": 0}
+        _seed(self.cfg.seed)  # dropout draws from here on; a resume replaces this with the checkpoint's RNG
+        if resume_from is None:
+            return state, None
+        state = checkpoint.load(self.engine, resume_from)
+        self._say(f"resumed from {resume_from} (step {state['step']})")
+        was = int(state.get("micro_batch", self.micro_batch)) * int(state.get("world_size", 1))
+        now = self.micro_batch * self.runtime.world_size
+        if was != now:  # e.g. a lower --batch-size after an OOM: continue at the same example
+            state["epoch"], state["batch"] = resume_position(state["epoch"], state["batch"], was, now)
+            self._say(f"examples per micro-step changed from {was} to {now}: continuing at the same place "
+                      f"in epoch {state['epoch']}")
+        return state, int(state["step"])
+
+    def _setup_run_dir(self) -> tuple[Path | None, MetricsLog]:
         cfg = self.cfg
-        self.out = Path(cfg.out) if cfg.out else None
-        if self.out is None or not self.dist.is_main:
-            self.metrics = MetricsLog(None)
-            return
-        if cfg.overwrite and self.out.exists():
-            shutil.rmtree(self.out)  # _check_run_dir made sure it is a run directory
-        self.out.mkdir(parents=True, exist_ok=True)
-        checkpoint.remove_partial(self.out)
-        (self.out / "config.json").write_text(_json(cfg.to_dict()))
+        out = Path(cfg.out) if cfg.out else None
+        if out is None or not self.runtime.is_main:
+            return out, MetricsLog(None)
         resume_step = self.state["step"] if self.resume_from else 0
-        self.metrics = MetricsLog(self.out / "metrics.jsonl", resume_step=resume_step,
-                                  sinks=open_sinks(cfg.report_sinks, self.out, cfg.to_dict(), resume_step=resume_step))
+        return out, setup_run_dir(out, overwrite=cfg.overwrite, settings=cfg.to_dict(),
+                                  report_sinks=cfg.report_sinks, resume_step=resume_step)
 
     # -- the loop -------------------------------------------------------------------------------
     def train(self) -> TrainResult:
         cfg, engine = self.cfg, self.engine
         assert engine is not None
-        samples_per_step = self.micro_batch * self.accum * self.dist.world_size
-        stream = batches(self.data, self.micro_batch, seed=cfg.seed, pad_id=self.pad_id, rank=self.dist.rank,
-                         world_size=self.dist.world_size, start_epoch=self.state["epoch"],
+        runtime = self.runtime
+        samples_per_step = self.micro_batch * self.accum * runtime.world_size
+        stream = batches(self.data, self.micro_batch, seed=cfg.seed, pad_id=self.loaded.tokenizer.pad_token_id,
+                         rank=runtime.rank, world_size=runtime.world_size, start_epoch=self.state["epoch"],
                          start_batch=self.state["batch"])
-        self.bad = BadStepStreak(cfg.max_bad_steps)
         host_watch = HostMemoryWatch(cfg.host_mem_warn, cfg.host_mem_stop, say=self._say)
         losses, times, lrs, evals = [], [], [], []
         bar = self._progress_bar()
@@ -315,10 +312,10 @@ class Trainer:
                     for _ in range(self.accum):  # one optimizer step = accum micro-batches
                         epoch, b, batch = next(stream)
                         tokens += loss_tokens(batch, self.loaded.task)
-                        loss = self._micro_step(batch, epoch, b)
+                        loss = self._micro_step(batch)
                         step_loss += loss / self.accum
-                    step_loss = self._mean_over_ranks(step_loss)  # the loss of the whole global batch
-                    if self.device == "cuda":
+                    step_loss = runtime.mean_over_ranks(step_loss)  # the loss of the whole global batch
+                    if runtime.on_gpu:
                         torch.cuda.synchronize()  # time the GPU's work, not just its queueing
                     dt = time.perf_counter() - t0
                     self.state.update(step=self.state["step"] + 1, epoch=epoch, batch=b + 1)
@@ -326,7 +323,7 @@ class Trainer:
                     times.append(dt)
                     lrs.append(engine.lr)
                     peak_rss = max(peak_rss, memory.host_rss_bytes())
-                    self._log_step(step_loss, dt, samples_per_step, peak_rss, bar, tokens * self.dist.world_size)
+                    self._log_step(step_loss, dt, samples_per_step, peak_rss, bar, tokens * runtime.world_size)
                     self._save_or_stop(step_loss, stop, host_watch)
                     if cfg.eval_every and self.state["step"] % cfg.eval_every == 0 \
                             and self.state["step"] < self.total_steps:  # the last step's comes after the export
@@ -347,11 +344,11 @@ class Trainer:
             samples_per_s=samples_per_step / statistics.median(steady) if steady else None,
             peak_gpu_bytes=memory.gpu_peak_bytes(), peak_host_rss_bytes=peak_rss,
             init_s=engine.init_s, wall_s=time.perf_counter() - self.started, micro_batch=self.micro_batch,
-            grad_accum=self.accum, world_size=self.dist.world_size, precision=cfg.precision,
+            grad_accum=self.accum, world_size=runtime.world_size, precision=cfg.precision,
             skipped_steps=self.bad.total_skipped, quality=quality, out_dir=str(self.out) if self.out else None,
             final_dir=str(final_dir) if final_dir else None,
             resumed_from=self.resumed_step,
-            truncated_examples=self.data.truncated, lrs=lrs, evals=evals, update=self.update,
+            truncated_examples=self.data.truncated, lrs=lrs, evals=evals, update=self.mode.name,
         )
 
     def _save_or_stop(self, loss: float, stop: StopRequest, host_watch: HostMemoryWatch) -> None:
@@ -359,7 +356,8 @@ class Trainer:
         then a signal or host RAM past its limit saves (unless just saved) and stops."""
         cfg, bad = self.cfg, self.bad
         used = host_watch.check()
-        nan_loss, stop_asked, host_full = self._agree(not math.isfinite(loss), stop.requested, used is not None)
+        nan_loss, stop_asked, host_full = self.runtime.agree(not math.isfinite(loss), stop.requested,
+                                                             used is not None)
         if bad.update(math.nan if nan_loss else loss, self.engine.last_step_applied):
             self._abort_numerics(f"{bad.streak} steps in a row had a NaN/inf loss or skipped their update")
         if cfg.save_every and self.state["step"] % cfg.save_every == 0 and bad.state_is_good:
@@ -370,27 +368,7 @@ class Trainer:
             self._abort(f"host RAM {used or memory.host_used_fraction():.0%} used, past the {cfg.host_mem_stop:.0%} "
                         "limit (host_mem_stop), before the kernel's OOM killer would end the run")
 
-    def _mean_over_ranks(self, loss: float) -> float:
-        if self.dist.world_size == 1:
-            return loss
-        import torch.distributed as dist
-
-        value = torch.tensor([loss], dtype=torch.float64, device=self.engine.device)
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
-        return float(value.item()) / self.dist.world_size
-
-    def _agree(self, *flags: bool) -> list[bool]:
-        """The same decisions on every rank: a signal, NaN or full host RAM seen by one rank stops all
-        (alone, it would wait in the save's barrier while the others wait in the next step's all-reduce)."""
-        if self.dist.world_size == 1:
-            return list(flags)
-        import torch.distributed as dist
-
-        votes = torch.tensor([float(f) for f in flags], device=self.engine.device)
-        dist.all_reduce(votes, op=dist.ReduceOp.MAX)
-        return [bool(v) for v in votes.tolist()]
-
-    def _micro_step(self, batch: dict[str, torch.Tensor], epoch: int, b: int) -> float:
+    def _micro_step(self, batch: dict[str, torch.Tensor]) -> float:
         """Forward, backward (ZeRO-2 moves gradients to the host as they are reduced), and the
         optimizer step, which DeepSpeed applies only at the accumulation boundary."""
         engine = self.engine
@@ -436,7 +414,7 @@ class Trainer:
                             gpu=f"{record['gpu_peak_gib']:.1f}G", host=f"{gib(peak_rss):.1f}G", refresh=False)
 
     def _progress_bar(self):
-        if not (self.cfg.progress and self.dist.is_main):
+        if not (self.cfg.progress and self.runtime.is_main):
             return None
         from tqdm.auto import tqdm
 
@@ -471,80 +449,28 @@ class Trainer:
         import torch.distributed as dist
 
         state = {**self.state, "model": self.cfg.model, "precision": self.cfg.precision,
-                 "micro_batch": self.micro_batch, "world_size": self.dist.world_size}
+                 "micro_batch": self.micro_batch, "world_size": self.runtime.world_size}
         return checkpoint.save(self.engine, self.out, self.state["step"], state, keep=self.cfg.keep_checkpoints,
-                               is_main=self.dist.is_main, barrier=dist.barrier)
+                               is_main=self.runtime.is_main, barrier=dist.barrier)
 
     # -- the end --------------------------------------------------------------------------------
     def _export(self) -> Path | None:
-        """DIR/final/ on rank 0 (checkpoint.export)."""
-        if self.out is None or not self.dist.is_main:
+        """DIR/final/ on rank 0 (checkpoint.export): a plain Hugging Face model dir."""
+        if self.out is None or not self.runtime.is_main:
             return None
         return checkpoint.export(self.engine.module, self.loaded.tokenizer, self.out)
 
     def _score(self, evals: list[dict[str, float]]) -> dict[str, float]:
-        """Evaluate now; keep the numbers with their step in `evals` (rank 0 only has any). A held-out score
-        that runs out of GPU memory is skipped with a warning: it must not end (or lose) the training."""
-        self.engine.sync_weights()  # the scores read the weights: an overlapped mode's pending update lands first
-        try:
-            quality = self._evaluate()
-        except Exception as exc:
-            if not memory.is_oom_error(exc):
-                raise
-            self.engine.module.train()
-            memory.free_memory()
-            self._say(f"warning: held-out scoring at step {self.state['step']} ran out of GPU memory and was "
-                      "skipped; training goes on (fewer --eval-examples or a smaller --batch-size would fit)")
-            return {}
+        """Held-out scores now (evaluate.score); kept with their step in `evals` (rank 0 only has any)."""
+        quality = score(self.engine, self.loaded.tokenizer, self.held_out, step=self.state["step"], say=self._say,
+                        metrics=self.metrics)
         if quality:
             evals.append({"step": self.state["step"], **quality})
         return quality
 
-    @torch.no_grad()
-    def _evaluate(self) -> dict[str, float]:
-        """The quality number: exact match of greedy generations (seq2seq) or eval loss (causal)."""
-        if self.eval_data is None or self.cfg.eval_examples == 0 or not self.dist.is_main:
-            return {}
-        from fitone.data import IGNORE_INDEX, collate
-
-        model = self.engine.module
-        model.eval()
-        n = min(self.cfg.eval_examples, len(self.eval_data))
-        examples = self.eval_data.examples[:n]
-        tok = self.loaded.tokenizer
-        hits, loss_sum, right, counted = 0, 0.0, 0, 0
-        size = max(1, min(16, self.micro_batch))  # no larger than the batches training has shown to fit
-        for i in range(0, n, size):
-            chunk = examples[i:i + size]
-            batch = {k: v.to(self.engine.device) for k, v in collate(chunk, self.eval_data.task, self.pad_id).items()}
-            out = model(**batch)
-            # next-token accuracy with the true prefix given (teacher forcing): moves long before exact match
-            labels = batch["labels"][:, 1:] if self.eval_data.task == CAUSAL else batch["labels"]
-            guess = out.logits.argmax(-1)[:, : labels.shape[1]] if self.eval_data.task == SEQ2SEQ else \
-                out.logits.argmax(-1)[:, :-1]
-            mask = labels != IGNORE_INDEX
-            right += int((guess == labels)[mask].sum())
-            counted += int(mask.sum())
-            loss_sum += float(out.loss.float()) * int(mask.sum())  # the model's loss is the chunk's token mean
-            if self.eval_data.task == SEQ2SEQ:
-                out = model.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                     max_new_tokens=self.cfg.tgt_len, do_sample=False, num_beams=1)
-                texts = tok.batch_decode(out, skip_special_tokens=True)
-                hits += sum(t.strip() == r[self._eval_fields[1]].strip()
-                            for t, r in zip(texts, self.eval_data.raw[i:i + size]))
-        model.train()
-        # per held-out token, so the numbers do not depend on how the examples were chunked
-        result = {"eval_loss": loss_sum / max(counted, 1), "token_accuracy": right / max(counted, 1)}
-        if self.eval_data.task == SEQ2SEQ:
-            result["exact_match"] = hits / n
-        self._say("quality on " + f"{n} held-out examples: " + ", ".join(f"{k} {v:.3f}" for k, v in result.items()))
-        self.metrics.write({"step": self.state["step"], **result})  # `fitone report` draws it beside the loss
-        return result
-
     def cleanup(self) -> None:
         """Tear the engine down (also after an error) so the process can train again."""
-        if getattr(self, "metrics", None) is not None:
-            self.metrics.close()  # TensorBoard/W&B files flushed, also after an error
+        self.metrics.close()  # TensorBoard/W&B files flushed, also after an error
         if self.engine is not None:
             self.engine.close()
             self.engine = None
@@ -552,7 +478,7 @@ class Trainer:
         memory.free_memory()
 
     def _say(self, text: str) -> None:
-        if getattr(self, "dist", None) is None or self.dist.is_main:
+        if self.runtime is None or self.runtime.is_main:
             from tqdm.auto import tqdm
 
             tqdm.write(f"fitone: {text}")
@@ -564,23 +490,9 @@ def _seed(seed: int) -> None:
     torch.manual_seed(seed)  # also every CUDA device
 
 
-def _is_run_dir(path: Path) -> bool:
-    """A directory fitone wrote: metrics, checkpoints, or its config.json (not a model's config.json)."""
-    if (path / "metrics.jsonl").is_file() or checkpoint.checkpoint_root(path).is_dir():
-        return True
-    try:
-        saved = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(saved, dict) and {"max_bad_steps", "save_every", "host_mem_stop"} <= saved.keys()
-
-
 def _batch_lengths(batch: dict[str, torch.Tensor], task: str) -> str:
     n, width = batch["input_ids"].shape
     if task == SEQ2SEQ:
         return f"{n} examples x {width} input tokens and {batch['labels'].shape[1]} target tokens"
     return f"{n} examples x {width} tokens"
 
-
-def _json(values: dict[str, Any]) -> str:
-    return json.dumps(values, indent=2, default=str)

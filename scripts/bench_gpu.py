@@ -1046,7 +1046,8 @@ def measure_fitone(job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """
     import importlib
 
-    from fitone.ds_config import build_ds_config, update_mode
+    from fitone.ds_config import build_ds_config
+    from fitone.zero2 import step_mode
 
     (size,) = job["sizes"]
     config = model_config(job)
@@ -1061,7 +1062,8 @@ def measure_fitone(job: dict[str, Any]) -> Iterator[dict[str, Any]]:
         options["global_batch"] = size * accum
     on_gpu = job["device"] == "cuda"
     planned = train_config(job, size, **options)
-    mode = update_mode(planned, build_ds_config(planned, micro_batch=size, on_gpu=on_gpu), on_gpu=on_gpu)
+    mode = step_mode.for_config(planned, world_size=1, on_gpu=on_gpu,
+                                ds=build_ds_config(planned, micro_batch=size, on_gpu=on_gpu)).name
     extra = extra if mode == "deepspeed" else 0
     detail_from = warm + timed if extra else None
     with capture_engines(sync, detail_from) as splits:  # before fitone.train is imported, so it sees the patch

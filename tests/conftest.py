@@ -39,11 +39,12 @@ def tiny_engine(precision: str = "fp32", **engine_options):
     import torch
 
     from fitone.ds_config import build_ds_config
-    from fitone.engine import Engine, resolve_device, start_runtime
+    from fitone.engine import Engine
+    from fitone.runtime import start_runtime
     from fitone.models import build_model, load_config
 
     cfg = cpu_config(precision=precision, lr=1e-3, lr_schedule="constant", warmup_steps=0)
-    start_runtime(cfg, resolve_device(cfg))
+    start_runtime(cfg)
     torch.manual_seed(0)
     model = build_model(load_config("t5-tiny", from_scratch=True))
     ds = build_ds_config(cfg, micro_batch=4, world_size=1, total_steps=100, on_gpu=False)

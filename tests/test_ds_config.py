@@ -5,7 +5,8 @@ import json
 import pytest
 
 from fitone.config import TrainConfig
-from fitone.ds_config import BUCKET_SIZE, build_ds_config, update_mode
+from fitone.ds_config import BUCKET_SIZE, build_ds_config
+from fitone.zero2 import step_mode
 from fitone.errors import ConfigError
 
 
@@ -105,8 +106,8 @@ def test_user_file_errors(tmp_path, content, fragment):
 # -- which optimizer step a run takes ----------------------------------------------------------------
 def _mode(world_size: int = 1, on_gpu: bool = True, **options) -> str:
     cfg = TrainConfig(model="t5-tiny", **options)
-    return update_mode(cfg, build_ds_config(cfg, micro_batch=2, world_size=world_size, on_gpu=on_gpu),
-                       world_size=world_size, on_gpu=on_gpu)
+    return step_mode.for_config(cfg, world_size=world_size, on_gpu=on_gpu,
+                                ds=build_ds_config(cfg, micro_batch=2, world_size=world_size, on_gpu=on_gpu)).name
 
 
 def test_the_pipelined_update_is_the_default_on_one_gpu_with_the_optimizer_on_the_cpu():

@@ -1,11 +1,12 @@
-"""Engine helpers that need no engine: the in-process distributed env and the JIT-build check."""
+"""Runtime and engine helpers that need no engine: the in-process distributed env and the JIT-build check."""
 
 import os
 
 import pytest
 
 from fitone.config import TrainConfig
-from fitone.engine import cpu_adam_built, ensure_dist_env, resolve_device
+from fitone.engine import cpu_adam_built
+from fitone.runtime import ensure_dist_env, resolve_device
 from fitone.errors import DeviceError
 
 
@@ -41,7 +42,7 @@ def test_fp16_and_gpu_cap_are_refused_on_the_cpu():
 def test_torchrun_single_thread_default_is_replaced_by_a_share_of_the_cores(monkeypatch):
     import torch
 
-    from fitone.engine import share_cpu_threads
+    from fitone.runtime import share_cpu_threads
 
     before = torch.get_num_threads()
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)), raising=False)

@@ -51,9 +51,10 @@ def hook_model(monkeypatch, make_hook) -> None:
     """Register make_hook(trainer) as a forward hook on the model each Trainer builds."""
     real_setup = Trainer._setup_model
 
-    def setup_model(self):
-        real_setup(self)
-        self.loaded.model.register_forward_hook(make_hook(self))
+    def setup_model(self, *args):
+        loaded = real_setup(self, *args)
+        loaded.model.register_forward_hook(make_hook(self))
+        return loaded
 
     monkeypatch.setattr(Trainer, "_setup_model", setup_model)
 

@@ -283,17 +283,17 @@ def test_the_pipelined_update_trains_exports_and_resumes(tmp_path):
     assert apart(switched.losses, plain.losses[8:], fp32_loss_drift, first_differing_step=1) == []
 
 
-def test_by_default_a_run_takes_the_step_update_mode_names_and_says_so(monkeypatch, capsys):
-    """On one GPU the default is the pipelined update. This CPU cannot be a GPU, so `update_mode` is told
-    it is one (faked: its on_gpu argument); the rest is real: the engine the run builds, what it says."""
+def test_by_default_a_run_on_one_gpu_takes_the_pipelined_update_and_says_so(monkeypatch, capsys):
+    """On one GPU the default is the pipelined update. This CPU cannot be a GPU, so the step mode's decision
+    is told it is one (faked: its on_gpu argument); the rest is real: the engine the run builds, what it says."""
     import importlib
 
-    from fitone import ds_config
+    from fitone.zero2 import step_mode
 
     train_module = importlib.import_module("fitone.train")  # the module, not fitone.train the function
 
-    real = ds_config.update_mode
-    monkeypatch.setattr(train_module, "update_mode", lambda cfg, ds, **kw: real(cfg, ds, **{**kw, "on_gpu": True}))
+    real = step_mode.for_config
+    monkeypatch.setattr(step_mode, "for_config", lambda cfg, **kw: real(cfg, **{**kw, "on_gpu": True}))
     built = []  # the overlapped update each engine of a run really holds
 
     class Recorded(Engine):

@@ -30,7 +30,8 @@ from fitone.engine import Engine
 from fitone.errors import ConfigError, MemoryBudgetError
 from fitone.models import build_model, load_config
 from fitone.probe import ProbeResult, TrialResult, search_batch_size
-from fitone.probe_run import ProbeSession, prepare, probe_batch, probe_key, read_cached, save_cached
+from fitone.probe_run import ProbeSession, probe_batch, probe_key, read_cached, save_cached
+from fitone.runtime import start_runtime
 
 SRC_LEN = TGT_LEN = 8
 # the CPU has no memory limit a search could find, so a probe there needs a ceiling; the faked OOMs come below it
@@ -128,10 +129,12 @@ def test_forward_oom_search_tries_these_sizes_then_backs_off_by_the_margin(cache
 def test_with_the_pipelined_update_the_probe_trials_run_the_engine_training_will_run(monkeypatch, tmp_path, how):
     """Same faked budget and search as the default, on an engine with the pipelined update (its thread
     really runs between trials, and a backward OOM arrives while the forward hooks have waited for it).
-    'the default on a GPU': this CPU cannot be one, so `update_mode` is told it is (faked: on_gpu)."""
+    'the default on a GPU': this CPU cannot be one, so the step mode's decision is told it is (faked: on_gpu)."""
     if how == "the default on a GPU":
-        real = probe_run.update_mode
-        monkeypatch.setattr(probe_run, "update_mode", lambda cfg, ds, **kw: real(cfg, ds, **{**kw, "on_gpu": True}))
+        from fitone.zero2 import step_mode
+
+        real = step_mode.for_config
+        monkeypatch.setattr(step_mode, "for_config", lambda cfg, **kw: real(cfg, **{**kw, "on_gpu": True}))
     built = []  # the update mode of each engine the probe builds
 
     def engine(*args, **kwargs):
@@ -164,7 +167,7 @@ def test_backward_oom_is_reset_and_later_steps_match_a_fresh_engine(tmp_path):
     ds_file = tmp_path / "small-buckets.json"
     ds_file.write_text(json.dumps({"zero_optimization": {"reduce_bucket_size": 20000}}))
     cfg = probe_config(ds_config=str(ds_file))
-    device, _ = prepare(cfg)
+    device = start_runtime(cfg).device
     config = load_config("t5-tiny", from_scratch=True)
     fixed = worst_case_batch("seq2seq", 2, cfg, config.vocab_size, 0)
 
@@ -304,11 +307,11 @@ def test_bad_input_is_one_line_naming_the_fix_and_exit_2(flags, fix, capsys):
 
 def test_a_cap_larger_than_the_gpu_is_refused(monkeypatch, capsys):
     """Fakes a 24 GiB GPU (this machine has none): device, distributed setup and the GPU's size."""
-    from fitone import engine, memory
-    from fitone.engine import DistInfo
+    from fitone import memory, runtime
+    from fitone.runtime import DistInfo
 
-    monkeypatch.setattr(probe_run, "resolve_device", lambda cfg: "cuda")
-    monkeypatch.setattr(engine, "init_distributed", lambda device: DistInfo(0, 0, 1))
+    monkeypatch.setattr(runtime, "resolve_device", lambda cfg: "cuda")
+    monkeypatch.setattr(runtime, "init_distributed", lambda device: DistInfo(0, 0, 1))
     monkeypatch.setattr(memory, "gpu_total_bytes", lambda device=None: 24 * 1024**3)
     argv = ["probe-batch", "--model", "t5-tiny", "--from-scratch", "--max-gpu-memory", "80GiB"]
     assert main(argv) == 2
@@ -337,18 +340,22 @@ def test_batch_size_auto_reuses_a_saved_probe_without_building_an_engine(monkeyp
 
 
 def test_batch_size_auto_under_several_ranks_reuses_the_one_gpu_probe_or_says_to_run_one(monkeypatch, cache_root):
-    """Fakes the launcher's two ranks (prepare's answer); the saved probe and its lookup are real."""
+    """Fakes the launcher's two ranks (the runtime training hands over); the saved probe and its lookup are real."""
     from fitone.probe_run import batch_size_for_training
+    from fitone.runtime import DistInfo, Runtime
+    from fitone.zero2 import step_mode
 
-    monkeypatch.setattr(probe_run, "prepare", lambda cfg, ranks_ok=False: ("cpu", 2))
     cfg = probe_config(batch_size="auto", global_batch=20)
+    ranks = Runtime(device="cpu", dist=DistInfo(rank=0, local_rank=0, world_size=2), started=True)
+    config = load_config("t5-tiny", from_scratch=True)
+    mode = step_mode.for_config(cfg, world_size=2, on_gpu=False)
     with pytest.raises(ConfigError, match="needs a saved one-GPU probe: run `fitone probe-batch`"):
-        batch_size_for_training(cfg, say=lambda text: None)
+        batch_size_for_training(cfg, ranks, config, mode, say=lambda text: None)
     saved = ProbeResult(trials=[TrialResult(6, fits=True, step_s=1.0, steps=3, purpose="verify")], largest_fit=6,
                         chosen=6, margin=0.05, granularity=1, verified=True, best_throughput=6, cap_bytes=None,
                         wall_s=60.0, meta={"model": "t5-tiny"})
     save_cached(probe_key(cfg, load_config("t5-tiny", from_scratch=True), "cpu"), {"max_batch": 64}, saved)
-    assert batch_size_for_training(cfg, say=lambda text: None) == 5  # 20 = 5 per GPU x 2 GPUs x 2 steps
+    assert batch_size_for_training(cfg, ranks, config, mode, say=lambda text: None) == 5  # 20 = 5/GPU x 2 GPUs x 2
 
 
 def test_batch_size_auto_probes_frees_the_probe_then_trains_the_found_size(monkeypatch, cache_root, capsys):
@@ -372,6 +379,37 @@ def test_batch_size_auto_probes_frees_the_probe_then_trains_the_found_size(monke
     assert "no saved probe for this model" in capsys.readouterr().out
     key = probe_key(cfg, load_config("t5-tiny", from_scratch=True), "cpu")
     assert read_cached(key).chosen == 2  # saved: the next run reuses it
+
+
+def test_batch_size_auto_loads_the_model_config_once_and_builds_the_runtime_once(monkeypatch, cache_root):
+    """One run that probes (with a ceiling: the CPU has no limit to find), then trains: the config and the
+    runtime it made first are handed to the preflight, the probe and the model load. Counted under every
+    fitone module's own name for them."""
+    import sys
+
+    from fitone import models, runtime
+
+    loads, builds = [], []
+    real_load, real_build = models.load_config, runtime.build_runtime
+
+    def counting_load(*args, **kwargs):
+        loads.append(args)
+        return real_load(*args, **kwargs)
+
+    def counting_build(*args, **kwargs):
+        builds.append(args)
+        return real_build(*args, **kwargs)
+
+    for name, module in list(sys.modules.items()):
+        if name == "fitone" or name.startswith("fitone."):
+            if getattr(module, "load_config", None) is real_load:
+                monkeypatch.setattr(module, "load_config", counting_load)
+            if getattr(module, "build_runtime", None) is real_build:
+                monkeypatch.setattr(module, "build_runtime", counting_build)
+    monkeypatch.setattr(probe_run, "probe_batch", functools.partial(probe_batch, verify_steps=1, max_batch=2))
+    result = fitone.train(probe_config(batch_size="auto", max_steps=1))
+    assert result.micro_batch == 1 and result.steps == 1  # sizes 1, 2: floor(2 x 0.95) = 1
+    assert len(loads) == 1 and len(builds) == 1, (loads, builds)
 
 
 # -- on the CPU ------------------------------------------------------------------------------------

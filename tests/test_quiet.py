@@ -39,9 +39,9 @@ def test_deepspeeds_op_check_on_the_cpu_prints_no_linker_errors():
     writes to descriptor 2 (the kernel shows it in the cell). The child reproduces that."""
     run = _child("import sys; sys.stderr = sys.stdout\n"  # Python's stderr on descriptor 1, as Jupyter's is elsewhere
                  "from fitone.config import TrainConfig\n"
-                 "from fitone.engine import resolve_device, start_runtime\n"
+                 "from fitone.runtime import start_runtime\n"
                  "cfg = TrainConfig(model='t5-tiny', device='cpu', precision='fp32')\n"
-                 "start_runtime(cfg, resolve_device(cfg))\n"
+                 "start_runtime(cfg)\n"
                  "import deepspeed.ops; print('probed', len(deepspeed.ops.__compatible_ops__))\n")
     assert run.returncode == 0, run.stderr
     assert "probed" in run.stdout  # the check ran (and was answered) in this process
@@ -118,11 +118,12 @@ def test_offload_none_builds_no_deepspeed_op_and_trains(monkeypatch):
     import torch
     from deepspeed.ops.op_builder.builder import OpBuilder
 
-    from fitone.engine import Engine, resolve_device, start_runtime
+    from fitone.engine import Engine
+    from fitone.runtime import start_runtime
     from fitone.models import build_model, load_config
 
     cfg = TrainConfig(model="t5-tiny", from_scratch=True, device="cpu", precision="fp32", offload="none", lr=1e-3)
-    start_runtime(cfg, resolve_device(cfg))
+    start_runtime(cfg)
     loaded = []
 
     def no_build(self, verbose=True):

@@ -229,7 +229,7 @@ def test_the_optimizer_step_is_auto_unless_a_flag_or_key_says_otherwise():
     def cfg(*argv: str) -> TrainConfig:
         return config_from_args(build_parser().parse_args(["train", "--recipe", "t5-3b/24gb", *argv]), TRAIN_FLAGS)
 
-    assert cfg().pipelined_update is None  # decided per run: ds_config.update_mode
+    assert cfg().pipelined_update is None  # decided per run: zero2.step_mode
     assert cfg("--no-pipelined-update").pipelined_update is False
     assert cfg("--pipelined-update").pipelined_update is True
     assert cfg("pipelined_update=false").pipelined_update is False

@@ -206,14 +206,15 @@ def test_a_held_out_score_that_runs_out_of_gpu_memory_is_skipped_and_training_go
 
     setup = Trainer._setup_model
 
-    def with_oom_in_eval(self):
-        setup(self)
-        model = self.loaded.model
+    def with_oom_in_eval(self, *args):
+        loaded = setup(self, *args)
+        model = loaded.model
 
         def hook(module, _inputs):
             if not module.training and self.state["step"] == 2:
                 raise torch.OutOfMemoryError("CUDA out of memory (faked)")
         model.register_forward_pre_hook(hook)
+        return loaded
 
     monkeypatch.setattr(Trainer, "_setup_model", with_oom_in_eval)
     result = fitone.train(cpu_config(max_steps=6, eval_every=2, eval_examples=8))

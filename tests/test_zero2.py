@@ -17,11 +17,12 @@ def make_engine(precision: str = "bf16", grad_accum: int = 1, *, pipelined: bool
     """A seeded tiny-T5 engine; `lean` builds DeepSpeed's step on the lean layout (only to compare gradients:
     DeepSpeed's own step needs the staging copy the layout releases)."""
     from fitone.ds_config import build_ds_config
-    from fitone.engine import Engine, resolve_device, start_runtime
+    from fitone.engine import Engine
+    from fitone.runtime import start_runtime
     from fitone.models import build_model, load_config
 
     cfg = cpu_config(precision=precision, lr=1e-3, lr_schedule="constant", warmup_steps=0, grad_accum=grad_accum)
-    start_runtime(cfg, resolve_device(cfg))
+    start_runtime(cfg)
     torch.manual_seed(0)
     model = build_model(load_config("t5-tiny", from_scratch=True))
     ds = build_ds_config(cfg, micro_batch=4, world_size=1, total_steps=100, on_gpu=False)

@@ -7,6 +7,8 @@ from typing import Any
 from fitone import memory
 from fitone.config import TrainConfig, resolve_precision
 from fitone.errors import ConfigError, MemoryBudgetError
+from fitone.zero2 import step_mode
+from fitone.zero2.step_mode import StepMode
 from fitone.plan.activations import Lengths
 from fitone.plan.advice import DOES_NOT_FIT, FITS_WITH_OFFLOAD, _judge
 from fitone.plan.components import (CUDA_CONTEXT, Plan, _deepspeed_estimate, _g, _gpu_components, _host_components,
@@ -29,7 +31,7 @@ def plan(
     caps it. Without either and without a GPU, raises ConfigError. host_mem: host RAM to plan for;
     default what is available now. gpus: data-parallel ranks (ZeRO-2 partitions optimizer states).
     """
-    cfg = cfg.replace(**overrides) if cfg is not None and overrides else cfg or TrainConfig(**overrides)
+    cfg = TrainConfig.with_overrides(cfg, overrides)
     limit, source = _gpu_limit(cfg, gpu_mem)
     if limit is None:
         raise ConfigError("no GPU on this machine to plan for: pass --gpu-mem SIZE, the memory of the card "
@@ -38,13 +40,15 @@ def plan(
                       host_available=_host_available(host_mem), on_gpu=cfg.device != "cpu")
 
 
-def preflight(cfg: TrainConfig, *, micro_batch: int, world_size: int = 1) -> Plan:
+def preflight(cfg: TrainConfig, *, micro_batch: int, world_size: int = 1, config: Any = None,
+              mode: StepMode | None = None) -> Plan:
     """The refusals the plan can make from the config alone, run before any weights, probe or engine
     exist: raise MemoryBudgetError (one line, exit 2) when host RAM cannot hold the run, or when the GPU
     cannot hold it even at micro-batch 1 (weights, states, buffers; the plan's verdict at size 1),
-    instead of the kernel's OOM killer or a CUDA OOM inside DeepSpeed minutes later."""
+    instead of the kernel's OOM killer or a CUDA OOM inside DeepSpeed minutes later.
+    `config` and `mode`: the model config and step a run already loaded and decided (else done here)."""
     on_gpu = _runs_on_gpu(cfg)
-    p = _preflight_plan(cfg, micro_batch, world_size, on_gpu)
+    p = _preflight_plan(cfg, micro_batch, world_size, on_gpu, config, mode)
     need = _host_need(p, on_gpu)
     if need > p.host_available:
         fixes = ["a machine with more host RAM"]
@@ -64,7 +68,7 @@ def preflight(cfg: TrainConfig, *, micro_batch: int, world_size: int = 1) -> Pla
     if p.gpu_limit is not None:
         # the plan's verdict at the smallest micro-batch: whatever it counts (weights, buckets, optimizer
         # states, init peak) must fit before a probe or the user's batch size can matter
-        at_one = p if micro_batch == 1 else _preflight_plan(cfg, 1, world_size, on_gpu)
+        at_one = p if micro_batch == 1 else _preflight_plan(cfg, 1, world_size, on_gpu, config, mode)
         if "GPU" in at_one.short:
             fixes = []
             if not at_one.offload and at_one.verdict == FITS_WITH_OFFLOAD:
@@ -83,23 +87,27 @@ def preflight(cfg: TrainConfig, *, micro_batch: int, world_size: int = 1) -> Pla
     return p
 
 
-def host_micro_batch_bound(cfg: TrainConfig) -> int:
+def host_micro_batch_bound(cfg: TrainConfig, *, config: Any = None, mode: StepMode | None = None) -> int:
     """The largest micro-batch whose run the plan fits in available host RAM (0: not even 1). On a CPU,
     where nothing runs out of memory the way a GPU does, this is what bounds a batch-size search."""
     on_gpu = _runs_on_gpu(cfg)
     one_step = cfg.replace(global_batch=None, grad_accum=None)  # as a probe runs: every step an optimizer step
+    one_gpu = mode.on_one_gpu() if mode is not None else None
     return _largest_batch(
-        lambda b: _host_need(p := _preflight_plan(one_step, b, 1, on_gpu), on_gpu) <= p.host_available, 64)
+        lambda b: _host_need(p := _preflight_plan(one_step, b, 1, on_gpu, config, one_gpu), on_gpu) <= p.host_available,
+        64)
 
 
 def _runs_on_gpu(cfg: TrainConfig) -> bool:
     return cfg.device == "cuda" or (cfg.device == "auto" and memory.cuda_ready())
 
 
-def _preflight_plan(cfg: TrainConfig, micro_batch: int, world_size: int, on_gpu: bool) -> Plan:
+def _preflight_plan(cfg: TrainConfig, micro_batch: int, world_size: int, on_gpu: bool, config: Any = None,
+                    mode: StepMode | None = None) -> Plan:
     limit, source = _gpu_limit(cfg, None) if on_gpu else (None, "no GPU: not checked")
     return _make_plan(cfg.replace(batch_size=micro_batch), gpus=world_size, gpu_limit=limit,
-                      gpu_limit_source=source or "", host_available=_host_available(None), on_gpu=on_gpu)
+                      gpu_limit_source=source or "", host_available=_host_available(None), on_gpu=on_gpu,
+                      config=config, mode=mode)
 
 
 def _host_need(p: Plan, on_gpu: bool) -> int:
@@ -127,18 +135,18 @@ def _host_available(host_mem: int | str | None) -> int:
 
 
 def _make_plan(cfg: TrainConfig, *, gpus: int, gpu_limit: int | None, gpu_limit_source: str,
-               host_available: int, on_gpu: bool) -> Plan:
+               host_available: int, on_gpu: bool, config: Any = None, mode: StepMode | None = None) -> Plan:
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
         raise ConfigError(f"--gpus must be a positive whole number, got {gpus!r}")
     cfg = cfg.replace(precision=resolve_precision(cfg.precision, on_gpu))  # an 'auto' precision, as training picks it
-    shape, notes = model_shape(cfg)
+    shape, notes = model_shape(cfg, config)
     lengths = Lengths(cfg.src_len, cfg.tgt_len) if shape.encoder_decoder else Lengths(cfg.seq_len, cfg.seq_len)
     if cfg.pack and shape.encoder_decoder:
         raise ConfigError(f"--pack is for causal LMs; {cfg.model} is seq2seq: drop --pack")
     if cfg.pack:  # the lengths above are the worst case of padded batches, and every packed batch's
         notes = [*notes, f"--pack: every batch is full ({cfg.seq_len} tokens per row), so every step takes this memory"]
     auto = cfg.batch_size == "auto"
-    from fitone.ds_config import build_ds_config, update_mode
+    from fitone.ds_config import build_ds_config
 
     ds = build_ds_config(cfg, micro_batch=1 if auto else int(cfg.batch_size), world_size=gpus, on_gpu=on_gpu)
     zero = ds.get("zero_optimization", {})
@@ -149,7 +157,8 @@ def _make_plan(cfg: TrainConfig, *, gpus: int, gpu_limit: int | None, gpu_limit_
                 bucket=int(float(zero.get("reduce_bucket_size", 5e8))), overlap_comm=bool(zero.get("overlap_comm")),
                 pin_memory=bool(offload_cfg.get("pin_memory", False)), on_gpu=on_gpu,
                 delayed_update=cfg.delayed_update,
-                pipelined_update=update_mode(cfg, ds, world_size=gpus, on_gpu=on_gpu) == "pipelined")
+                pipelined_update=(mode or step_mode.for_config(cfg, world_size=gpus, on_gpu=on_gpu, ds=ds)).name
+                == step_mode.PIPELINED)
 
     def gpu_total(b: int, off: bool, setup: _Setup = st) -> int:
         return sum(c.bytes for c in _gpu_components(setup, off, b))

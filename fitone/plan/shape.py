@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fitone.config import TrainConfig
-from fitone.errors import ModelError
 
 _LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3"}
 
@@ -44,24 +42,33 @@ def _first(config: Any, names: tuple[str, ...], default: Any = None) -> Any:
     return default
 
 
-def model_shape(cfg: TrainConfig) -> tuple[ModelShape, list[str]]:
-    """Build the model on the meta device and read its sizes. Returns the shape and notes for the user."""
-    if not cfg.model:
-        raise ModelError("no model given: pass --model (a hub id, a local dir, or a shipped name with --from-scratch)")
-    shape, notes = _model_shape(cfg.model, cfg.from_scratch)
+def model_shape(cfg: TrainConfig, config: Any = None) -> tuple[ModelShape, list[str]]:
+    """Build the model on the meta device and read its sizes. Returns the shape and notes for the user.
+    `config`: the model config a caller (training) already loaded; else it is loaded here."""
+    from fitone.models import require_model
+
+    require_model(cfg.model)
+    key = (cfg.model, cfg.from_scratch, config is not None)
+    if key not in _SHAPES:  # building even a meta model takes a second; a plan asks often
+        if len(_SHAPES) >= 16:
+            _SHAPES.pop(next(iter(_SHAPES)))
+        _SHAPES[key] = _model_shape(cfg.model, cfg.from_scratch, config)
+    shape, notes = _SHAPES[key]
     return shape, list(notes)
 
 
-@functools.lru_cache(maxsize=16)  # building even a meta model takes a second; a plan asks often
-def _model_shape(name: str, from_scratch: bool) -> tuple[ModelShape, tuple[str, ...]]:
+_SHAPES: dict[tuple[str, bool, bool], tuple[ModelShape, tuple[str, ...]]] = {}
+
+
+def _model_shape(name: str, from_scratch: bool, config: Any = None) -> tuple[ModelShape, tuple[str, ...]]:
     from fitone.models import build_model, load_config, shipped_models
 
     notes: list[str] = []
-    if not from_scratch and name in shipped_models() and not Path(name).exists():
+    if config is None and not from_scratch and name in shipped_models() and not Path(name).exists():
         # planning needs the architecture, not the weights: the shipped config is the same model
         config = load_config(name, from_scratch=True)
         notes.append(f"{name}: planned from fitone's shipped config (no weights needed)")
-    else:
+    elif config is None:
         config = load_config(name, from_scratch=from_scratch)
     from transformers.initialization import no_init_weights
 

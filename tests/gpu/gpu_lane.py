@@ -42,11 +42,12 @@ def gpu_engine(precision: str, *, pipelined: bool):
     the same batches run the same kernels on the same inputs (the fused attention backwards accumulate in
     a varying order) and differ only where their optimizer steps do."""
     from fitone.ds_config import build_ds_config
-    from fitone.engine import Engine, resolve_device, start_runtime
+    from fitone.engine import Engine
+    from fitone.runtime import start_runtime
     from fitone.models import build_model, load_config
 
     cfg = gpu_settings(precision)
-    start_runtime(cfg, resolve_device(cfg))
+    start_runtime(cfg)
     config = load_config(MODEL, from_scratch=True)
     config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
     config._attn_implementation = "eager"

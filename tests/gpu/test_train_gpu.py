@@ -36,7 +36,7 @@ def test_the_shipped_default_deepspeed_config_trains_on_the_gpu(text_jsonl, tmp_
         zero = engine.ds_config["zero_optimization"]
         # the lean host layout: DeepSpeed allocates plain host memory and fitone page-locks it in place
         assert zero["overlap_comm"] and zero["offload_optimizer"] == {"device": "cpu", "pin_memory": False}
-        assert "fp16" in engine.ds_config and run.update == "pipelined"
+        assert "fp16" in engine.ds_config and run.mode.name == "pipelined"
         # DeepSpeed took them: its host buffers are pinned and its gradient copies overlap the backward
         opt = engine.optimizer
         assert opt.overlap_comm and engine.host is not None

@@ -1,0 +1,279 @@
+"""The process's runtime, set up once per run: device, distributed env, CPU threads, log levels, GPU cap.
+
+`build_runtime(cfg)` resolves the device and reads (or, without a launcher, fills in) the distributed env;
+it is cheap, so the checks that need the world size run before anything heavy. `Runtime.start()` does the
+rest once: DeepSpeed's version check, quiet logs, the process group and the GPU cap. Training builds one
+Runtime and hands it to the probe; a standalone probe builds its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from contextlib import contextmanager, redirect_stderr, redirect_stdout
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from fitone import memory
+from fitone.config import TrainConfig, resolve_precision
+from fitone.errors import DeviceError
+from fitone.units import parse_size
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_dist_env() -> DistInfo:
+    """Fill in MASTER_ADDR/PORT, RANK, LOCAL_RANK, WORLD_SIZE for a single process; keep a launcher's."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
+    return DistInfo(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
+
+
+def share_cpu_threads() -> str:
+    """Give each local rank its share of the cores when torchrun left OMP_NUM_THREADS at 1.
+
+    torchrun sets OMP_NUM_THREADS=1 for every rank when it is unset; DeepSpeedCPUAdam is OpenMP, so the
+    offloaded optimizer step would run on one core per rank. Must run before cpu_adam is loaded (its
+    OpenMP runtime reads the variable then). Any other value, or a run without torchrun, is left alone.
+    """
+    if "TORCHELASTIC_RUN_ID" not in os.environ or os.environ.get("OMP_NUM_THREADS") != "1":
+        return ""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    if threads == 1:
+        return ""
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    return (f"torchrun set OMP_NUM_THREADS=1; using {threads} CPU threads per rank for CPU Adam "
+            "(set OMP_NUM_THREADS to another value to choose)")
+
+
+def resolve_device(cfg: TrainConfig) -> str:
+    """'cuda' or 'cpu', failing early on combinations DeepSpeed would reject later with a traceback.
+
+    Also fills in an 'auto' precision for that device (cfg is changed in place), with a note on the CPU."""
+    has_cuda = memory.cuda_ready()
+    device = cfg.device if cfg.device != "auto" else ("cuda" if has_cuda else "cpu")
+    if device == "cuda" and not has_cuda:
+        raise DeviceError("--device cuda but no CUDA GPU is visible: use --device cpu (slow) or check the driver")
+    if cfg.precision == "auto":
+        cfg.precision = resolve_precision("auto", on_gpu=device == "cuda")
+        if device == "cpu" and int(os.environ.get("RANK", "0")) == 0:
+            print("fitone: no GPU: training in fp32 on the CPU (fp16 needs a CUDA GPU; --precision bf16 is "
+                  "faster on CPUs with bf16 instructions)", flush=True)
+    if device == "cpu":
+        if cfg.precision == "fp16":
+            raise DeviceError("fp16 needs a CUDA GPU (DeepSpeed's CPU accelerator refuses it): "
+                              "use --precision bf16 or fp32 on the CPU")
+        if cfg.max_gpu_memory:
+            raise DeviceError("--max-gpu-memory caps a GPU, but this run is on the CPU: drop it or use --device cuda")
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    elif cfg.precision == "bf16" and not torch.cuda.is_bf16_supported():
+        raise DeviceError(f"{memory.gpu_name()} has no bf16: use --precision fp16 or fp32")
+    return device
+
+
+def apply_gpu_cap(max_gpu_memory: str | None) -> None:
+    cap = parse_size(max_gpu_memory, "--max-gpu-memory")
+    if cap is None:
+        return
+    try:
+        memory.cap_gpu_memory(cap)
+    except ValueError as exc:
+        raise DeviceError(f"--max-gpu-memory {max_gpu_memory}: {exc}; give a smaller cap") from exc
+
+
+_VERBOSE = False
+
+
+def quiet_logs(verbose: bool) -> None:
+    """DeepSpeed and transformers print a lot at init; keep it for --verbose."""
+    global _VERBOSE
+    _VERBOSE = verbose
+    from deepspeed.utils import logger as ds_logger
+    import transformers
+
+    ds_logger.setLevel(logging.INFO if verbose else logging.ERROR)
+    transformers.logging.set_verbosity(logging.INFO if verbose else logging.ERROR)
+    if not verbose:
+        _probe_ops_quietly()
+
+
+def _probe_ops_quietly() -> None:
+    """On DeepSpeed's CPU accelerator the process group's setup asks whether each op could be built, once
+    per process: that compiles and links small test programs, and the one for async_io prints the
+    linker's "cannot find -laio" straight to file descriptor 2, which reads like a failure and is none
+    (fitone uses no async I/O). Ask first, with descriptors 1 and 2 pointed at /dev/null; the answer is
+    cached, so DeepSpeed does not ask again. On CUDA nothing asks, and nothing is probed here."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    if ("__compatible_ops__" in vars(deepspeed.ops)
+            or get_accelerator().create_op_builder("ShareMemCommBuilder") is None):
+        return
+    with silenced_fds():
+        deepspeed.ops.__compatible_ops__  # noqa: B018 - computed and cached on first access
+
+
+@contextmanager
+def silenced_fds() -> Iterator[None]:
+    """Python's sys.stdout/stderr and file descriptors 1 and 2 (child processes, C code) go to /dev/null."""
+    import sys
+
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    saved = [os.dup(1), os.dup(2)]
+    try:
+        with open(os.devnull, "w") as sink, redirect_stdout(sink), redirect_stderr(sink):
+            os.dup2(sink.fileno(), 1)
+            os.dup2(sink.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in saved:
+            os.close(fd)
+
+
+@contextmanager
+def no_hf_progress_bars() -> Iterator[None]:
+    """transformers' own bars (e.g. "Writing model shards" in save_pretrained) unless --verbose: fitone
+    says what it saved and where."""
+    from transformers.utils import logging as hf_logging
+
+    was_on = hf_logging.is_progress_bar_enabled()
+    if was_on and not _VERBOSE:
+        hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_on and not _VERBOSE:
+            hf_logging.enable_progress_bar()
+
+
+@contextmanager
+def ds_chatter() -> Iterator[None]:
+    """DeepSpeed prints ('... built successfully') straight to stdout; keep that for --verbose too."""
+    if _VERBOSE:
+        yield
+        return
+    with open(os.devnull, "w") as sink, redirect_stdout(sink):
+        yield
+
+
+def init_distributed(device: str) -> DistInfo:
+    info = ensure_dist_env()
+    import deepspeed
+
+    if not torch.distributed.is_initialized():
+        with ds_chatter():
+            deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo", verbose=False)
+    if device == "cuda":
+        torch.cuda.set_device(info.local_rank)
+    return info
+
+
+@dataclass
+class Runtime:
+    """Where this run's engines live, and which rank of how many this process is."""
+
+    device: str  # 'cuda' or 'cpu'
+    dist: DistInfo
+    verbose: bool = False
+    expandable_segments: bool = True
+    max_gpu_memory: str | None = None
+    started: bool = False
+
+    @property
+    def rank(self) -> int:
+        return self.dist.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.dist.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.dist.is_main
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device == "cuda"
+
+    def start(self) -> str:
+        """What every engine needs first, for training and probing alike: quiet logs, the process group and
+        the GPU cap. Once per Runtime; returns a note the user should hear once ('' for none)."""
+        if self.started:
+            return ""
+        from fitone.zero2 import check_version
+
+        check_version()
+        quiet_logs(self.verbose)
+        note = share_cpu_threads()
+        if self.on_gpu:
+            memory.use_expandable_segments(self.expandable_segments)  # before anything is allocated
+        self.dist = init_distributed(self.device)
+        if self.on_gpu:
+            apply_gpu_cap(self.max_gpu_memory)
+        self.started = True
+        return note
+
+    # the same decisions on every rank (one rank alone would wait in a collective the others never join)
+    def agree(self, *flags: bool) -> list[bool]:
+        """Each flag raised on any rank is raised on all: a signal, NaN or full host RAM seen by one rank stops
+        all (alone, it would wait in the save's barrier while the others wait in the next step's all-reduce)."""
+        if self.world_size == 1:
+            return list(flags)
+        import torch.distributed as dist
+
+        votes = torch.tensor([float(f) for f in flags], device=self._torch_device())
+        dist.all_reduce(votes, op=dist.ReduceOp.MAX)
+        return [bool(v) for v in votes.tolist()]
+
+    def mean_over_ranks(self, value: float) -> float:
+        if self.world_size == 1:
+            return value
+        import torch.distributed as dist
+
+        total = torch.tensor([value], dtype=torch.float64, device=self._torch_device())
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        return float(total.item()) / self.world_size
+
+    def _torch_device(self) -> torch.device:
+        # where DeepSpeed puts this rank's engine, and so where its collectives run
+        return torch.device(f"cuda:{self.dist.local_rank}") if self.on_gpu else torch.device("cpu")
+
+
+def build_runtime(cfg: TrainConfig) -> Runtime:
+    """The device (an 'auto' precision filled in on cfg) and the distributed env; nothing heavy is started."""
+    device = resolve_device(cfg)
+    return Runtime(device=device, dist=ensure_dist_env(), verbose=cfg.verbose,
+                   expandable_segments=cfg.expandable_segments, max_gpu_memory=cfg.max_gpu_memory)
+
+
+def start_runtime(cfg: TrainConfig) -> Runtime:
+    """build_runtime and start it: for callers (tests, benchmarks) that build an engine directly."""
+    runtime = build_runtime(cfg)
+    runtime.start()
+    return runtime

@@ -1,0 +1,77 @@
+"""Which optimizer step a run takes: DeepSpeed's own, the pipelined update or the delayed one (`overlap`).
+
+Decided once per run (`for_config`, from the settings, the world size and the device) and handed as a
+`StepMode` to the engine, the probe and the plan. Pipelined is the default where it is measured faster and
+trains the same (bench/NOTES.md): one GPU, DeepSpeedCPUAdam on the CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from fitone.config import TrainConfig
+from fitone.errors import ConfigError
+
+DEEPSPEED, PIPELINED, DELAYED = "deepspeed", "pipelined", "delayed"
+
+
+@dataclass(frozen=True)
+class StepMode:
+    one_gpu: str  # the step these settings take on one GPU: what a probe of them runs and records
+    world_size: int = 1
+    delayed_after: int = 0  # the delayed update's plain steps first
+
+    @property
+    def name(self) -> str:
+        """The step this run takes: several ranks keep DeepSpeed's (each would all-gather the updated
+        partitions before any forward, so nothing is overlapped)."""
+        return DEEPSPEED if self.one_gpu == PIPELINED and self.world_size > 1 else self.one_gpu
+
+    def on_one_gpu(self) -> StepMode:
+        """The same settings as a one-GPU probe runs them."""
+        return replace(self, world_size=1)
+
+    def engine_options(self) -> dict[str, Any]:
+        """fitone.engine.Engine's keyword arguments: training and the probe build the same engine, so a
+        probe's trials hold what training will hold (the pipelined update's landing chunks on the GPU)."""
+        return {"delayed_after": self.delayed_after if self.name == DELAYED else None,
+                "pipelined": self.name == PIPELINED}
+
+
+def decide(ds: dict[str, Any], *, delayed_update: bool, delayed_update_after: int, pipelined_update: bool | None,
+           world_size: int, on_gpu: bool) -> StepMode:
+    """The step for these flags and `ds` (the DeepSpeed config, the user's --ds-config merged in); a flag that
+    cannot be honoured is a ConfigError. A CPU device (nothing to overlap with) and a `ds` that moves the
+    optimizer off the CPU or swaps in torch.optim's Adam keep DeepSpeed's step unless one is asked for."""
+    optimizer = ds.get("optimizer") or {}
+    # both overlapped modes run DeepSpeedCPUAdam's Adam(W) on its own states; torch_adam swaps in torch.optim's
+    cpu_adam = (str(optimizer.get("type", "")).lower() in ("adam", "adamw")
+                and not (optimizer.get("params") or {}).get("torch_adam"))
+    asked = "--delayed-update" if delayed_update else "--pipelined-update" if pipelined_update else None
+    if asked and not cpu_adam:
+        raise ConfigError(f"{asked} runs DeepSpeedCPUAdam's Adam/AdamW: drop the optimizer's type or torch_adam "
+                          "from --ds-config, or drop the flag")
+    if pipelined_update and world_size > 1:
+        raise ConfigError("--pipelined-update runs on one GPU: drop it under a launcher (several GPUs take "
+                          "DeepSpeed's step)")
+    if delayed_update:
+        one_gpu = DELAYED
+    elif pipelined_update is not None:
+        one_gpu = PIPELINED if pipelined_update else DEEPSPEED
+    else:
+        zero = ds.get("zero_optimization") or {}
+        offloaded = (zero.get("offload_optimizer") or {}).get("device") == "cpu"
+        one_gpu = PIPELINED if on_gpu and offloaded and cpu_adam else DEEPSPEED
+    return StepMode(one_gpu=one_gpu, world_size=world_size, delayed_after=delayed_update_after)
+
+
+def for_config(cfg: TrainConfig, *, world_size: int, on_gpu: bool, ds: dict[str, Any] | None = None) -> StepMode:
+    """decide() for a TrainConfig; `ds` is built from it when not given (the sections read do not depend on
+    the micro-batch, which may still be 'auto')."""
+    if ds is None:
+        from fitone.ds_config import build_ds_config
+
+        ds = build_ds_config(cfg, micro_batch=1, on_gpu=on_gpu)
+    return decide(ds, delayed_update=cfg.delayed_update, delayed_update_after=cfg.delayed_update_after,
+                  pipelined_update=cfg.pipelined_update, world_size=world_size, on_gpu=on_gpu)
