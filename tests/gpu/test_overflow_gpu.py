@@ -23,7 +23,7 @@ def overflow_run(pipelined: bool) -> dict:
     engine = gpu_engine("fp16", pipelined=pipelined)
     try:
         step = 0
-        while engine.global_steps - engine.skipped_steps < APPLIED_FIRST:  # fp16's scale may settle first
+        while engine.ds.global_steps - engine.skipped_steps < APPLIED_FIRST:  # fp16's scale may settle first
             step += 1
             assert step <= 10, "fp16 kept overflowing from the first step: no clean steps to compare"
             train_step(engine, step)
