@@ -28,6 +28,7 @@ def test_a_taken_port_is_replaced_when_fitone_chose_it():
 
 def test_a_launchers_port_is_never_replaced():
     env = {**child_env(), "MASTER_ADDR": "127.0.0.1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
-    code = _TAKEN.replace("runtime.init_distributed", "os.environ['MASTER_PORT'] = str(taken); runtime.init_distributed")
+    code = _TAKEN.replace("runtime.init_distributed",
+                          "os.environ['MASTER_PORT'] = str(taken); runtime.init_distributed")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert run.returncode != 0 and "EADDRINUSE" in run.stderr
