@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from fitone.errors import RunDirError
+from fitone.zero2 import cpu_adam
 
 if TYPE_CHECKING:  # engine.py imports DeepSpeed; the checkpoint functions only call its methods
     from fitone.engine import Engine
@@ -173,34 +174,9 @@ def load(engine: Engine, ckpt: Path) -> dict[str, Any]:
                           "its settings; resume with the options it was written with, or start over in another --out"
                           ) from exc
     set_rng_state(client.get("rng", {}))
-    replay_cpu_adam_steps(getattr(engine.optimizer, "optimizer", None))
+    cpu_adam.replay_steps(getattr(engine.optimizer, "optimizer", None))
     return read_state(ckpt)
 
-
-def replay_cpu_adam_steps(adam: Any) -> None:
-    """Bring DeepSpeedCPUAdam's C++ bias-correction powers to where the uninterrupted run has them.
-
-    The C++ optimizer keeps beta1**t and beta2**t in float32 and advances them by one multiplication per
-    step; a fresh one (after a resume at step N) computes pow(beta, N + 1) instead, which differs in the
-    last bits, and the runs drift apart from there. Replaying steps 1..N through `adam_update` on empty
-    tensors repeats the same multiplications and touches no weights or moments (no tensor work at all).
-    Any other optimizer (PyTorch's Adam, the fused GPU ones) derives the powers from the step count: no-op.
-    """
-    if adam is None or not hasattr(adam, "ds_opt_adam") or not hasattr(adam, "opt_id"):
-        return
-    params = [(group, p) for group in adam.param_groups for p in group["params"] if "step" in adam.state.get(p, {})]
-    if not params:
-        return
-    last = max(int(adam.state[p]["step"]) for _, p in params)
-    empty = {p: (p.new_empty(0), torch.empty(0, dtype=adam.state[p]["exp_avg"].dtype)) for _, p in params}
-    for step in range(1, last + 1):  # in the order DeepSpeedCPUAdam.step calls it: each step, group by group
-        for group, p in params:
-            if int(adam.state[p]["step"]) >= step:
-                weights, moments = empty[p]
-                beta1, beta2 = group["betas"]
-                adam.ds_opt_adam.adam_update(adam.opt_id, step, group["lr"], beta1, beta2, group["eps"],
-                                             group["weight_decay"], group["bias_correction"], weights, weights,
-                                             moments, moments)
 
 
 def export(model: torch.nn.Module, tokenizer: Any, run_dir: str | Path) -> Path:

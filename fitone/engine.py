@@ -86,7 +86,9 @@ class Engine:
 
     @property
     def last_step_applied(self) -> bool:
-        return bool(getattr(self.ds, "_step_applied", True))
+        from fitone.zero2.overflow import step_applied
+
+        return step_applied(self.ds)
 
     @property
     def loss_scale(self) -> float | None:

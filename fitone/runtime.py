@@ -121,23 +121,9 @@ def quiet_logs(verbose: bool) -> None:
     ds_logger.setLevel(logging.INFO if verbose else logging.ERROR)
     transformers.logging.set_verbosity(logging.INFO if verbose else logging.ERROR)
     if not verbose:
-        _probe_ops_quietly()
+        from fitone.zero2.ops import probe_ops_quietly
 
-
-def _probe_ops_quietly() -> None:
-    """On DeepSpeed's CPU accelerator the process group's setup asks whether each op could be built, once
-    per process: that compiles and links small test programs, and the one for async_io prints the
-    linker's "cannot find -laio" straight to file descriptor 2, which reads like a failure and is none
-    (fitone uses no async I/O). Ask first, with descriptors 1 and 2 pointed at /dev/null; the answer is
-    cached, so DeepSpeed does not ask again. On CUDA nothing asks, and nothing is probed here."""
-    import deepspeed.ops
-    from deepspeed.accelerator import get_accelerator
-
-    if ("__compatible_ops__" in vars(deepspeed.ops)
-            or get_accelerator().create_op_builder("ShareMemCommBuilder") is None):
-        return
-    with silenced_fds():
-        deepspeed.ops.__compatible_ops__  # noqa: B018 - computed and cached on first access
+        probe_ops_quietly(silenced_fds)
 
 
 @contextmanager

@@ -55,3 +55,8 @@ def defer_overflow_check(optimizer: Any) -> bool:
     optimizer.check_overflow = check_overflow
     optimizer.reset_cpu_buffers = reset_cpu_buffers
     return True
+
+
+def step_applied(engine: Any) -> bool:
+    """Whether DeepSpeed's last optimizer step changed the weights (False after an overflow skip)."""
+    return bool(getattr(engine, "_step_applied", True))
