@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 ROOT = Path(__file__).resolve().parent.parent
-GIB = 1024**3
+GIB = 1024**3  # = fitone.units.GIB; importing fitone here would load torch in the parent, which only schedules
 
 TOOLS = ("fitone", "deepspeed", "hf-trainer", "torch-plain", "torch-plain-uncapped", "hf-trainer-auto-find",
          "fitone-delayed", "fitone-pipelined", "fitone-deepspeed-step")
