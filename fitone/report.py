@@ -6,7 +6,6 @@ Figures are drawn and saved by fitone.render (no pyplot: a notebook's own backen
 from __future__ import annotations
 
 import json
-import math
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -14,12 +13,10 @@ from typing import Any, Sequence
 
 from fitone.errors import ConfigError, DataError
 from fitone.metrics import read_metrics
-from fitone.render import figure, save
+from fitone.render import EVAL_KEYS
+from fitone.render import finite as _finite
+from fitone.render import plot_run_loss, plot_run_memory, plot_run_throughput
 from fitone.units import gib, parse_size
-
-# eval numbers a record may carry (an evaluation record: step + these); drawn as points on the loss figure
-EVAL_KEYS = ("eval_loss", "exact_match")
-
 
 @dataclass
 class RunSummary:
@@ -135,9 +132,9 @@ def write_report(run_dir: str | Path, out: str | Path | None = None) -> Report:
     out.mkdir(parents=True, exist_ok=True)
     title = _title(run_dir, settings)
     pictures = [
-        _plot_loss(records, out / "loss.png", title),
-        _plot_throughput(records, out / "throughput.png", title),
-        _plot_memory(records, out / "memory.png", title, cap, on_cpu=settings.get("device") == "cpu"),
+        plot_run_loss(records, out / "loss.png", title),
+        plot_run_throughput(records, out / "throughput.png", title),
+        plot_run_memory(records, out / "memory.png", title, cap, on_cpu=settings.get("device") == "cpu"),
     ]
     return Report(summary=summary, pictures=pictures)
 
@@ -147,111 +144,7 @@ def plot_losses(losses: Sequence[float], path: str | Path, title: str = "fitone 
     records = [{"step": i, "loss": v} for i, v in enumerate(losses, 1)]
     if not records:
         raise DataError("no losses to plot: the run did not finish a step")
-    return _plot_loss(records, Path(path), title)
-
-
-# -- the figures ---------------------------------------------------------------------------------------
-def _plot_loss(records: Sequence[dict[str, Any]], path: Path, title: str) -> Path:
-    fig, (ax,) = figure()
-    pts = [(r["step"], r["loss"]) for r in records if _finite(r.get("loss"))]
-    bad = [r["step"] for r in records if "loss" in r and not _finite(r["loss"])]
-    steps, values = [s for s, _ in pts], [v for _, v in pts]
-    handles = []
-    if pts:
-        # NaN where a loss was not finite, so the line breaks there instead of bridging the gap
-        drawn = [(r["step"], r["loss"] if _finite(r["loss"]) else math.nan) for r in records if "loss" in r]
-        handles += ax.plot([s for s, _ in drawn], [v for _, v in drawn], color="tab:blue", linewidth=1,
-                           alpha=0.45 if len(pts) >= 50 else 1, marker="o" if len(pts) < 30 else None,
-                           markersize=3, label="training loss")
-        if len(pts) >= 50:  # per-step losses are noisy; a centred moving average shows the trend without lag
-            h = max(2, len(pts) // 50)
-            smooth = [statistics.fmean(values[max(0, i - h):i + h + 1]) for i in range(len(values))]
-            handles += ax.plot(steps, smooth, color="tab:blue", linewidth=2,
-                               label=f"moving average ({2 * h + 1} logged steps)")
-        positive = [v for v in values if v > 0]
-        if positive and len(positive) == len(values) and max(positive) / min(positive) > 20:
-            ax.set_yscale("log")
-    skipped = _skipped_steps(records)
-    if skipped:  # fp16 loss scaling threw the update away: the loss was computed, the weights did not move
-        handles.append(ax.scatter([s for s, _ in skipped], [v for _, v in skipped], marker="v", s=40,
-                                  color="tab:orange", zorder=4,
-                                  label=f"update skipped (fp16 overflow), {len(skipped)} step"
-                                        f"{'s' if len(skipped) != 1 else ''}"))
-    if bad:
-        y = min(values) if values else 1.0
-        handles.append(ax.scatter(bad, [y] * len(bad), marker="x", color="tab:red", zorder=5,
-                                  label=f"NaN/inf loss ({len(bad)} step{'s' if len(bad) != 1 else ''})"))
-    evals = [(k, [(r["step"], r[k]) for r in records if _finite(r.get(k))]) for k in EVAL_KEYS]
-    evals = [(k, p) for k, p in evals if p]
-    if evals:
-        eval_ax = ax.twinx() if any(k != "eval_loss" for k, _ in evals) else None
-        for (key, p), color in zip(evals, ("tab:purple", "tab:green")):
-            target = ax if key == "eval_loss" else eval_ax
-            handles += target.plot([s for s, _ in p], [v for _, v in p], "D--", color=color, markersize=5,
-                                   label=key.replace("_", " ") + (" (right axis)" if target is not ax else ""))
-        if eval_ax is not None:
-            eval_ax.set_ylabel("exact match (fraction of held-out examples)")
-            eval_ax.set_ylim(0, 1.05)
-    scale = " (log scale)" if ax.get_yscale() == "log" else ""
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel(f"loss (mean cross-entropy per token){scale}")
-    ax.set_title(f"{title}: loss")
-    ax.grid(True, alpha=0.3)
-    if evals:  # two y axes: keep the legend clear of both sets of lines
-        ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, fontsize=8)
-    else:
-        ax.legend(handles=handles, loc="upper right", fontsize=8)
-    return save(fig, path, integer_x=True)
-
-
-def _plot_throughput(records: Sequence[dict[str, Any]], path: Path, title: str) -> Path:
-    fig, (ax,) = figure()
-    pts = [(r["step"], r["samples_per_s"]) for r in records if _finite(r.get("samples_per_s"))]
-    if pts:
-        ax.plot([s for s, _ in pts], [v for _, v in pts], color="tab:green", linewidth=1,
-                marker="o" if len(pts) < 30 else None, markersize=3, label="samples/s at this step")
-        steady = [v for s, v in pts if s > 1] or [v for _, v in pts]
-        med = statistics.median(steady)
-        ax.axhline(med, color="gray", linestyle="--", linewidth=1, label=f"median {med:.1f} samples/s")
-        ax.legend(loc="lower right", fontsize=8)
-    else:
-        ax.text(0.5, 0.5, "no samples/s in metrics.jsonl", transform=ax.transAxes, ha="center")
-    ax.set_ylim(bottom=0)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("throughput (samples/s)")
-    ax.set_title(f"{title}: throughput")
-    ax.grid(True, alpha=0.3)
-    return save(fig, path, integer_x=True)
-
-
-def _plot_memory(records: Sequence[dict[str, Any]], path: Path, title: str, cap_gib: float | None,
-                 on_cpu: bool) -> Path:
-    fig, (gpu_ax, host_ax) = figure(height=6.5, rows=2)
-    panels = ((gpu_ax, "gpu_peak_gib", "GPU: peak memory allocated (torch.cuda.max_memory_allocated)",
-               "peak allocated (GiB)", "tab:purple"),
-              (host_ax, "host_rss_gib", "host: resident memory of the process (RSS)", "RSS (GiB)", "tab:brown"))
-    for ax, key, label, unit, color in panels:
-        pts = [(r["step"], r[key]) for r in records if _finite(r.get(key))]
-        if pts and not (ax is gpu_ax and on_cpu):
-            ax.plot([s for s, _ in pts], [v for _, v in pts], color=color, marker="o" if len(pts) < 30 else None,
-                    markersize=3)
-            label += f", peak {max(v for _, v in pts):.2f} GiB"
-        top = max([v for _, v in pts] + [0.0])
-        if ax is gpu_ax and cap_gib:
-            ax.axhline(cap_gib, color="tab:red", linestyle="--", linewidth=1, label=f"cap {cap_gib:.1f} GiB")
-            top = max(top, cap_gib)
-        if ax is gpu_ax and (on_cpu or not top):
-            ax.text(0.5, 0.5, "CPU run: no GPU memory used" if on_cpu else "no GPU memory recorded",
-                    transform=ax.transAxes, ha="center", va="center", color="gray")
-        ax.set_ylim(0, top * 1.15 or 1)
-        ax.set_ylabel(unit)
-        ax.set_title(label, fontsize=10)
-        ax.grid(True, alpha=0.3)
-        if cap_gib and ax is gpu_ax:
-            ax.legend(loc="lower right", fontsize=8)
-    host_ax.set_xlabel("optimizer step")
-    fig.suptitle(f"{title}: memory")
-    return save(fig, path, integer_x=True)
+    return plot_run_loss(records, Path(path), title)
 
 
 # -- helpers ---------------------------------------------------------------------------------------------
@@ -277,22 +170,6 @@ def _title(run_dir: Path, settings: dict[str, Any]) -> str:
     name = (run_dir if run_dir.is_dir() else run_dir.parent).name
     what = " ".join(str(settings[k]) for k in ("model", "precision") if settings.get(k))
     return f"{name} ({what})" if what else name
-
-
-def _skipped_steps(records: Sequence[dict[str, Any]]) -> list[tuple[int, float]]:
-    """(step, loss) of the steps whose update was skipped: where DeepSpeed's running count went up."""
-    out, before = [], 0
-    for r in records:
-        count = r.get("skipped_steps")
-        if _finite(count):
-            if count > before and _finite(r.get("loss")):
-                out.append((r["step"], r["loss"]))
-            before = count
-    return out
-
-
-def _finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _max(records: Sequence[dict[str, Any]], key: str) -> float | None:
