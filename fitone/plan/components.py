@@ -22,9 +22,8 @@ CATEGORIES = ("weights", "gradients", "optimizer", "activations", "buffers", "ov
 
 CUDA_CONTEXT = GIB // 2  # the CUDA context and kernels live outside the allocator (and outside any cap)
 FRAGMENTATION = 0.05  # the caching allocator reserves a little more than it hands out
-# What the process holds before any model state: python + torch + transformers + DeepSpeed (+ CUDA libs).
-# CPU: 0.4 GiB measured here for the imports. GPU box: 1.2 GiB measured on the H200 after CUDA init;
-# ANCHORS' t5-3b run settled at 63.4 GiB RSS = 61.25 GiB of states below + ~2 GiB.
+# What the process holds before any model state (python, torch, transformers, DeepSpeed, CUDA libs),
+# calibrated against measured runs (tests/test_plan.py names the calibration; bench/results/ the runs).
 BASELINE_GPU_BOX = 2 * GIB
 BASELINE_CPU = GIB // 2
 
