@@ -98,7 +98,7 @@ def probe_batch(
     # a probe runs on one GPU: the step these settings take there
     mode = (mode or step_mode.for_config(cfg, world_size=1, on_gpu=runtime.on_gpu)).on_one_gpu()
     device = runtime.device
-    if cfg.preflight:  # what the plan refuses from the config alone, as training does, before the runtime
+    if cfg.preflight and standalone:  # the plan's refusals from the config alone (training has made them already)
         from fitone.plan import preflight
 
         preflight(cfg, micro_batch=1, world_size=1, config=config, mode=mode)

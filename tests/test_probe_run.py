@@ -383,14 +383,19 @@ def test_batch_size_auto_probes_frees_the_probe_then_trains_the_found_size(monke
 
 def test_batch_size_auto_loads_the_model_config_once_and_builds_the_runtime_once(monkeypatch, cache_root):
     """One run that probes (with a ceiling: the CPU has no limit to find), then trains: the config and the
-    runtime it made first are handed to the preflight, the probe and the model load. Counted under every
-    fitone module's own name for them."""
+    runtime it made first are handed to the preflight, the probe and the model load, and the probe does not
+    repeat training's pre-flight. Counted under every fitone module's own name for them."""
     import sys
 
     from fitone import models, runtime
+    from fitone.plan import preflight as real_preflight
 
-    loads, builds = [], []
+    loads, builds, preflights = [], [], []
     real_load, real_build = models.load_config, runtime.build_runtime
+
+    def counting_preflight(*args, **kwargs):
+        preflights.append(kwargs.get("micro_batch"))
+        return real_preflight(*args, **kwargs)
 
     def counting_load(*args, **kwargs):
         loads.append(args)
@@ -406,10 +411,14 @@ def test_batch_size_auto_loads_the_model_config_once_and_builds_the_runtime_once
                 monkeypatch.setattr(module, "load_config", counting_load)
             if getattr(module, "build_runtime", None) is real_build:
                 monkeypatch.setattr(module, "build_runtime", counting_build)
+            if getattr(module, "preflight", None) is real_preflight:
+                monkeypatch.setattr(module, "preflight", counting_preflight)
     monkeypatch.setattr(probe_run, "probe_batch", functools.partial(probe_batch, verify_steps=1, max_batch=2))
     result = fitone.train(probe_config(batch_size="auto", max_steps=1))
     assert result.micro_batch == 1 and result.steps == 1  # sizes 1, 2: floor(2 x 0.95) = 1
     assert len(loads) == 1 and len(builds) == 1, (loads, builds)
+    # training's, at size 1 before the probe and at the chosen size after it: the probe does not repeat it
+    assert preflights == [1, result.micro_batch], preflights
 
 
 # -- on the CPU ------------------------------------------------------------------------------------
