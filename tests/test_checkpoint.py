@@ -152,3 +152,120 @@ def test_export_copies_weights_to_the_host_instead_of_cloning_them_on_their_devi
         assert not (tmp_path / ".tmp-final").exists()
     finally:
         engine.close()
+
+
+SMALL_SHARD = 300_000  # bytes: the tiny models' exports split into several shards (as a 7B one does at 2GB),
+# each above their largest weight (a larger one gets a shard of its own)
+
+
+def _loads_equal_to(final, engine, auto) -> dict:
+    import torch
+
+    loaded = auto.from_pretrained(final).state_dict()
+    for name, tensor in engine.module.state_dict().items():
+        assert torch.equal(loaded[name], tensor), name
+    return loaded
+
+
+def test_a_sharded_export_has_a_valid_index_and_loads_equal_to_the_engine(tmp_path):
+    from safetensors import safe_open
+    from transformers import AutoModelForSeq2SeqLM, ByT5Tokenizer
+
+    from conftest import tiny_engine
+
+    engine = tiny_engine()
+    try:
+        final = checkpoint.export(engine.module, ByT5Tokenizer(), tmp_path, shard_size=SMALL_SHARD)
+        index = json.loads((final / "model.safetensors.index.json").read_text())
+        shards = sorted(final.glob("model-*-of-*.safetensors"))
+        assert len(shards) > 2 and not (final / "model.safetensors").exists()
+        assert sorted(set(index["weight_map"].values())) == [p.name for p in shards]
+        total = 0
+        for shard in shards:
+            with safe_open(shard, "pt") as f:
+                assert sorted(f.keys()) == sorted(k for k, v in index["weight_map"].items() if v == shard.name)
+                total += sum(f.get_tensor(k).nbytes for k in f.keys())
+        assert index["metadata"]["total_size"] == total
+        loaded = _loads_equal_to(final, engine, AutoModelForSeq2SeqLM)
+        assert loaded["shared.weight"].data_ptr() == loaded["encoder.embed_tokens.weight"].data_ptr()
+    finally:
+        engine.close()
+
+
+def test_the_export_holds_at_most_one_shard_of_weights_on_the_host_at_a_time(tmp_path, monkeypatch):
+    """A whole 7B model copied to the host for the export would not fit beside training's host memory: each
+    shard's host copies are written and released before the next shard is copied."""
+    import weakref
+
+    from transformers import ByT5Tokenizer
+
+    from conftest import tiny_engine
+
+    real_save_file = checkpoint.save_file
+    written: list[int] = []
+    earlier: list[weakref.ref] = []
+
+    def save_file(tensors, filename, metadata=None):
+        assert all(ref() is None for ref in earlier), "an earlier shard's host copies are still alive"
+        assert all(t.device.type == "cpu" for t in tensors.values())
+        written.append(sum(t.nbytes for t in tensors.values()))
+        earlier.extend(weakref.ref(t) for t in tensors.values())
+        real_save_file(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(checkpoint, "save_file", save_file)
+    engine = tiny_engine()
+    try:
+        checkpoint.export(engine.module, ByT5Tokenizer(), tmp_path, shard_size=SMALL_SHARD)
+        distinct = {t.data_ptr(): t.nbytes for t in engine.module.state_dict().values()}
+    finally:
+        engine.close()
+    assert len(written) > 2 and max(written) <= SMALL_SHARD
+    assert sum(written) == sum(distinct.values())  # every weight once: the tied ones are not written twice
+    assert all(ref() is None for ref in earlier)
+
+
+def test_a_causal_lm_with_a_tied_lm_head_round_trips(tmp_path):
+    from transformers import AutoModelForCausalLM, ByT5Tokenizer
+
+    from conftest import tiny_engine
+
+    engine = tiny_engine("bf16", model="gpt2-tiny")
+    try:
+        final = checkpoint.export(engine.module, ByT5Tokenizer(), tmp_path, shard_size=SMALL_SHARD)
+        loaded = _loads_equal_to(final, engine, AutoModelForCausalLM)
+        assert loaded["lm_head.weight"].data_ptr() == loaded["transformer.wte.weight"].data_ptr()
+        assert (final / "generation_config.json").is_file() and (final / "tokenizer_config.json").is_file()
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("model, precision", [("t5-tiny", "fp32"), ("gpt2-tiny", "bf16")])
+def test_the_export_writes_what_save_pretrained_writes(tmp_path, model, precision):
+    """Same files, same tensors under the same names in the same shards, same config and index as save_pretrained
+    given one host copy per distinct tensor (the export before it streamed; given ZeRO-2's views themselves,
+    save_pretrained counts a tied weight's size as its whole flat buffer's in the index's total_size)."""
+    import torch
+    from safetensors import safe_open
+    from transformers import ByT5Tokenizer
+
+    from conftest import tiny_engine
+
+    engine = tiny_engine(precision, model=model)
+    try:
+        final = checkpoint.export(engine.module, ByT5Tokenizer(), tmp_path / "ours", shard_size=SMALL_SHARD)
+        engine.module.save_pretrained(tmp_path / "theirs", state_dict=checkpoint.host_state_dict(engine.module),
+                                      max_shard_size=SMALL_SHARD)
+    finally:
+        engine.close()
+    theirs = tmp_path / "theirs"
+    ours = sorted(p.name for p in final.iterdir() if not p.name.startswith(("tokenizer", "added_tokens", "special")))
+    assert ours == sorted(p.name for p in theirs.iterdir())
+    for name in ours:
+        if name.endswith(".json"):
+            assert json.loads((final / name).read_text()) == json.loads((theirs / name).read_text()), name
+            continue
+        with safe_open(final / name, "pt") as a, safe_open(theirs / name, "pt") as b:
+            assert a.metadata() == b.metadata() and sorted(a.keys()) == sorted(b.keys()), name
+            for key in a.keys():
+                assert torch.equal(a.get_tensor(key), b.get_tensor(key)), key
+    assert "architectures" in json.loads((final / "config.json").read_text())
