@@ -274,6 +274,8 @@ def test_the_export_writes_what_save_pretrained_writes(tmp_path, model, precisio
 
     engine = tiny_engine(precision, model=model)
     try:
+        # save_pretrained records both in the config: the export must too, whatever the config held before
+        engine.module.config.architectures, engine.module.config.dtype = None, None
         final = checkpoint.export(engine.module, ByT5Tokenizer(), tmp_path / "ours", shard_size=SMALL_SHARD)
         engine.module.save_pretrained(tmp_path / "theirs", state_dict=checkpoint.host_state_dict(engine.module),
                                       max_shard_size=SMALL_SHARD)
@@ -290,4 +292,5 @@ def test_the_export_writes_what_save_pretrained_writes(tmp_path, model, precisio
             assert a.metadata() == b.metadata() and sorted(a.keys()) == sorted(b.keys()), name
             for key in a.keys():
                 assert torch.equal(a.get_tensor(key), b.get_tensor(key)), key
-    assert "architectures" in json.loads((final / "config.json").read_text())
+    config = json.loads((final / "config.json").read_text())
+    assert config["dtype"] == {"fp32": "float32", "bf16": "bfloat16"}[precision] and config["architectures"]
