@@ -294,3 +294,20 @@ def test_the_export_writes_what_save_pretrained_writes(tmp_path, model, precisio
                 assert torch.equal(a.get_tensor(key), b.get_tensor(key)), key
     config = json.loads((final / "config.json").read_text())
     assert config["dtype"] == {"fp32": "float32", "bf16": "bfloat16"}[precision] and config["architectures"]
+
+
+def test_a_model_whose_weights_are_renamed_on_save_is_exported_by_save_pretrained(tmp_path):
+    """transformers reverts load-time weight conversions when saving (revert_weight_conversion); the stream
+    does not, so such models go through save_pretrained with a host copy: the files carry the saved names."""
+    from safetensors import safe_open
+    from transformers import ByT5Tokenizer
+    from transformers.core_model_loading import WeightRenaming
+
+    from fitone.models import build_model, load_config
+
+    model = build_model(load_config("gpt2-tiny", from_scratch=True))
+    model._weight_conversions = [WeightRenaming(r"^legacy\.", "transformer.")]  # as if loaded from legacy.* names
+    final = checkpoint.export(model, ByT5Tokenizer(), tmp_path)
+    with safe_open(final / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert "legacy.wte.weight" in names and not any(n.startswith("transformer.") for n in names)
