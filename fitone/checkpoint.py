@@ -183,7 +183,7 @@ def load(engine: Engine, ckpt: Path) -> dict[str, Any]:
 
 
 # The export writes one shard at a time: each is copied to the host, written, and dropped before the next
-# (a whole 7B model on the host during the export would not fit beside training: bench/results/2026-12-01-issue19/).
+# (the whole model copied at once adds its 16-bit size to training's host peak: bench/results/2026-12-01-issue19/).
 EXPORT_SHARD_SIZE = "2GB"
 
 
