@@ -33,9 +33,9 @@ def cpu_config(**overrides) -> TrainConfig:
     return TrainConfig(**values)
 
 
-def tiny_engine(precision: str = "fp32", **engine_options):
-    """A real ZeRO-2 CPU-offload engine on the tiny T5 (seeded weights, micro-batch 4, constant lr 1e-3,
-    clip 1.0 so the clip path runs); `engine_options` go to fitone.engine.Engine."""
+def tiny_engine(precision: str = "fp32", model: str = "t5-tiny", **engine_options):
+    """A real ZeRO-2 CPU-offload engine on the tiny T5 (or `model`; seeded weights, micro-batch 4, constant
+    lr 1e-3, clip 1.0 so the clip path runs); `engine_options` go to fitone.engine.Engine."""
     import torch
 
     from fitone.ds_config import build_ds_config
@@ -46,9 +46,9 @@ def tiny_engine(precision: str = "fp32", **engine_options):
     cfg = cpu_config(precision=precision, lr=1e-3, lr_schedule="constant", warmup_steps=0)
     start_runtime(cfg)
     torch.manual_seed(0)
-    model = build_model(load_config("t5-tiny", from_scratch=True))
+    module = build_model(load_config(model, from_scratch=True))
     ds = build_ds_config(cfg, micro_batch=4, world_size=1, total_steps=100, on_gpu=False)
-    return Engine(model, ds, **engine_options)
+    return Engine(module, ds, **engine_options)
 
 
 def fixed_batch(step: int, vocab: int = 256) -> dict:

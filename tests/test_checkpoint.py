@@ -152,3 +152,162 @@ def test_export_copies_weights_to_the_host_instead_of_cloning_them_on_their_devi
         assert not (tmp_path / ".tmp-final").exists()
     finally:
         engine.close()
+
+
+SMALL_SHARD = 300_000  # bytes: the tiny models' exports split into several shards (as a 7B one does at 2GB),
+# each above their largest weight (a larger one gets a shard of its own)
+
+
+def _loads_equal_to(final, engine, auto) -> dict:
+    import torch
+
+    loaded = auto.from_pretrained(final).state_dict()
+    for name, tensor in engine.module.state_dict().items():
+        assert torch.equal(loaded[name], tensor), name
+    return loaded
+
+
+def test_a_sharded_export_has_a_valid_index_and_loads_equal_to_the_engine(tmp_path):
+    from safetensors import safe_open
+    from transformers import AutoModelForSeq2SeqLM, ByT5Tokenizer
+
+    from conftest import tiny_engine
+
+    engine = tiny_engine()
+    try:
+        final = checkpoint.export(engine.module, ByT5Tokenizer(), tmp_path, shard_size=SMALL_SHARD)
+        index = json.loads((final / "model.safetensors.index.json").read_text())
+        shards = sorted(final.glob("model-*-of-*.safetensors"))
+        assert len(shards) > 2 and not (final / "model.safetensors").exists()
+        assert sorted(set(index["weight_map"].values())) == [p.name for p in shards]
+        total = 0
+        for shard in shards:
+            with safe_open(shard, "pt") as f:
+                assert sorted(f.keys()) == sorted(k for k, v in index["weight_map"].items() if v == shard.name)
+                total += sum(f.get_tensor(k).nbytes for k in f.keys())
+        assert index["metadata"]["total_size"] == total
+        loaded = _loads_equal_to(final, engine, AutoModelForSeq2SeqLM)
+        assert loaded["shared.weight"].data_ptr() == loaded["encoder.embed_tokens.weight"].data_ptr()
+    finally:
+        engine.close()
+
+
+def test_the_export_holds_at_most_one_shard_of_weights_on_the_host_at_a_time(tmp_path, monkeypatch):
+    """A whole 7B model copied to the host for the export would not fit beside training's host memory: each
+    shard's host copies are written and released before the next shard is copied. Every host storage a
+    torch op makes during the export (the model's own excepted: it lives on the CPU here) is tracked, and
+    those alive are summed whenever a shard is written."""
+    import weakref
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+    from transformers import ByT5Tokenizer
+
+    from conftest import tiny_engine
+
+    engine = tiny_engine()
+    model_storages = {t.untyped_storage().data_ptr() for t in engine.module.state_dict().values()}
+    made: dict[int, tuple[weakref.ref, int]] = {}  # host storage -> (a tensor on it, its bytes)
+
+    def alive() -> int:
+        return sum(size for ref, size in made.values() if ref() is not None)
+
+    def alive_ref(ptr: int):
+        return made[ptr][0]() if ptr in made else None
+
+    class HostCopies(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                    storage = t.untyped_storage()
+                    if storage.data_ptr() not in model_storages and alive_ref(storage.data_ptr()) is None:
+                        made[storage.data_ptr()] = (weakref.ref(t), storage.nbytes())
+            return out
+
+    real_save_file = checkpoint.save_file
+    written: list[tuple[int, int]] = []  # (bytes handed to save_file, host bytes alive then)
+
+    def save_file(tensors, filename, metadata=None):
+        written.append((sum(t.nbytes for t in tensors.values()), alive()))
+        real_save_file(tensors, filename, metadata=metadata)
+
+    monkeypatch.setattr(checkpoint, "save_file", save_file)
+    try:
+        with HostCopies():
+            checkpoint.export(engine.module, ByT5Tokenizer(), tmp_path, shard_size=SMALL_SHARD)
+        distinct = {t.data_ptr(): t.nbytes for t in engine.module.state_dict().values()}
+    finally:
+        engine.close()
+    assert len(written) > 2
+    assert all(shard <= alive_then <= SMALL_SHARD for shard, alive_then in written), written
+    assert sum(shard for shard, _ in written) == sum(distinct.values())  # every weight once, tied ones too
+    assert alive() < 1000  # nothing kept after the export
+
+
+def test_a_causal_lm_with_a_tied_lm_head_round_trips(tmp_path):
+    from transformers import AutoModelForCausalLM, ByT5Tokenizer
+
+    from conftest import tiny_engine
+
+    engine = tiny_engine("bf16", model="gpt2-tiny")
+    try:
+        final = checkpoint.export(engine.module, ByT5Tokenizer(), tmp_path, shard_size=SMALL_SHARD)
+        loaded = _loads_equal_to(final, engine, AutoModelForCausalLM)
+        assert loaded["lm_head.weight"].data_ptr() == loaded["transformer.wte.weight"].data_ptr()
+        assert (final / "generation_config.json").is_file() and (final / "tokenizer_config.json").is_file()
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("model, precision", [("t5-tiny", "fp32"), ("gpt2-tiny", "bf16")])
+def test_the_export_writes_what_save_pretrained_writes(tmp_path, model, precision):
+    """Same files, same tensors under the same names in the same shards, same config and index as save_pretrained
+    given one host copy per distinct tensor (the export before it streamed; given ZeRO-2's views themselves,
+    save_pretrained counts a tied weight's size as its whole flat buffer's in the index's total_size)."""
+    import torch
+    from safetensors import safe_open
+    from transformers import ByT5Tokenizer
+
+    from conftest import tiny_engine
+
+    engine = tiny_engine(precision, model=model)
+    try:
+        # save_pretrained records both in the config: the export must too, whatever the config held before
+        engine.module.config.architectures, engine.module.config.dtype = None, None
+        final = checkpoint.export(engine.module, ByT5Tokenizer(), tmp_path / "ours", shard_size=SMALL_SHARD)
+        engine.module.save_pretrained(tmp_path / "theirs", state_dict=checkpoint.host_state_dict(engine.module),
+                                      max_shard_size=SMALL_SHARD)
+    finally:
+        engine.close()
+    theirs = tmp_path / "theirs"
+    ours = sorted(p.name for p in final.iterdir() if not p.name.startswith(("tokenizer", "added_tokens", "special")))
+    assert ours == sorted(p.name for p in theirs.iterdir())
+    for name in ours:
+        if name.endswith(".json"):
+            assert json.loads((final / name).read_text()) == json.loads((theirs / name).read_text()), name
+            continue
+        with safe_open(final / name, "pt") as a, safe_open(theirs / name, "pt") as b:
+            assert a.metadata() == b.metadata() and sorted(a.keys()) == sorted(b.keys()), name
+            for key in a.keys():
+                assert torch.equal(a.get_tensor(key), b.get_tensor(key)), key
+    config = json.loads((final / "config.json").read_text())
+    assert config["dtype"] == {"fp32": "float32", "bf16": "bfloat16"}[precision] and config["architectures"]
+
+
+def test_a_model_whose_weights_are_renamed_on_save_is_exported_by_save_pretrained(tmp_path):
+    """transformers reverts load-time weight conversions when saving (revert_weight_conversion); the stream
+    does not, so such models go through save_pretrained with a host copy: the files carry the saved names."""
+    from safetensors import safe_open
+    from transformers import ByT5Tokenizer
+    from transformers.core_model_loading import WeightRenaming
+
+    from fitone.models import build_model, load_config
+
+    model = build_model(load_config("gpt2-tiny", from_scratch=True))
+    model._weight_conversions = [WeightRenaming(r"^legacy\.", "transformer.")]  # as if loaded from legacy.* names
+    final = checkpoint.export(model, ByT5Tokenizer(), tmp_path)
+    with safe_open(final / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    assert "legacy.wte.weight" in names and not any(n.startswith("transformer.") for n in names)
