@@ -223,8 +223,11 @@ def _streams(model: PreTrainedModel) -> bool:
     """Whether `_write_weights` writes what save_pretrained would. It skips what transformers does for PEFT
     adapters, quantized, remote-code, device-mapped or tensor-parallel models and for models whose weights
     are renamed or reshaped on save (revert_weight_conversion): those go through save_pretrained instead."""
-    from transformers.core_model_loading import revert_weight_conversion
-
+    try:  # transformers' internals the streamed write follows (5.x); without them, its plain save_pretrained
+        from transformers.core_model_loading import revert_weight_conversion
+        from transformers.modeling_utils import remove_tied_weights_from_state_dict  # noqa: F401
+    except ImportError:
+        return False
     if (getattr(model, "_hf_peft_config_loaded", False) or getattr(model, "hf_quantizer", None) is not None
             or model.is_remote_code() or getattr(model, "hf_device_map", None) or getattr(model, "_tp_size", None)):
         return False
