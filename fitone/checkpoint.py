@@ -254,8 +254,7 @@ def _write_weights(model: PreTrainedModel, out: Path, shard_size: int | str) -> 
     stand_ins: dict[tuple[Any, ...], torch.Tensor] = {}
     proxies = {}
     for name, t in state.items():
-        key = (t.device, t.data_ptr(), t.dtype, tuple(t.shape)) if t.numel() else (name,)  # empty: data_ptr 0
-        proxies[name] = stand_ins.setdefault(key, torch.empty(1))
+        proxies[name] = stand_ins.setdefault(_tensor_key(name, t), torch.empty(1))
     kept = remove_tied_weights_from_state_dict(proxies, model).keys()
     # sizes without storages: meta tensors shaped like the kept weights
     meta = {name: torch.empty(state[name].shape, dtype=state[name].dtype, device="meta") for name in kept}
@@ -286,8 +285,13 @@ def host_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     copies: dict[tuple[Any, ...], torch.Tensor] = {}
     out = {}
     for name, tensor in model.state_dict().items():
-        key = (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape))
+        key = _tensor_key(name, tensor)
         if key not in copies:
             copies[key] = tensor.detach().to("cpu", copy=True)
         out[name] = copies[key]
     return out
+
+
+def _tensor_key(name: str, tensor: torch.Tensor) -> tuple[Any, ...]:
+    """Equal for the names of one tensor (tied weights); an empty tensor is its own (its data_ptr is 0)."""
+    return (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape)) if tensor.numel() else (name,)

@@ -40,15 +40,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-_PORT_CHOSEN_HERE = "FITONE_CHOSE_MASTER_PORT"  # the single-process port is ours to change if it is taken
+_port_chosen_here = False  # this process picked MASTER_PORT for itself: ours to change if it is taken (not a
+# variable in os.environ: a launcher's ranks started from this process would inherit it)
 
 
 def ensure_dist_env() -> DistInfo:
     """Fill in MASTER_ADDR/PORT, RANK, LOCAL_RANK, WORLD_SIZE for a single process; keep a launcher's."""
+    global _port_chosen_here
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if "MASTER_PORT" not in os.environ:
-            os.environ.update(MASTER_PORT=str(_free_port()), **{_PORT_CHOSEN_HERE: "1"})
+            os.environ["MASTER_PORT"] = str(_free_port())
+            _port_chosen_here = True
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
     return DistInfo(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
@@ -185,7 +188,7 @@ def init_distributed(device: str) -> DistInfo:
                 deepspeed.init_distributed(dist_backend=backend, verbose=False)
         except torch.distributed.DistNetworkError as exc:
             # the free port we picked was taken before the store bound it (seen once in the GPU lane)
-            if os.environ.get(_PORT_CHOSEN_HERE) != "1" or "EADDRINUSE" not in str(exc) or attempt == 2:
+            if not _port_chosen_here or "EADDRINUSE" not in str(exc) or attempt == 2:
                 raise
             os.environ["MASTER_PORT"] = str(_free_port())
     if device == "cuda":

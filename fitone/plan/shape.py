@@ -48,7 +48,7 @@ def model_shape(cfg: TrainConfig, config: Any = None) -> tuple[ModelShape, list[
     from fitone.models import require_model
 
     require_model(cfg.model)
-    key = (cfg.model, cfg.from_scratch, config is not None)
+    key = (cfg.model, cfg.from_scratch, config.to_json_string() if config is not None else None)
     if key not in _SHAPES:  # building even a meta model takes a second; a plan asks often
         if len(_SHAPES) >= 16:
             _SHAPES.pop(next(iter(_SHAPES)))
@@ -57,7 +57,7 @@ def model_shape(cfg: TrainConfig, config: Any = None) -> tuple[ModelShape, list[
     return shape, list(notes)
 
 
-_SHAPES: dict[tuple[str, bool, bool], tuple[ModelShape, tuple[str, ...]]] = {}
+_SHAPES: dict[tuple[str, bool, str | None], tuple[ModelShape, tuple[str, ...]]] = {}
 
 
 def _model_shape(name: str, from_scratch: bool, config: Any = None) -> tuple[ModelShape, tuple[str, ...]]:

@@ -4,7 +4,8 @@
 here: the bounded parameter groups and lean host buffers (`layout`), the deferred overflow check
 (`overflow`), the overlapped updates (`overlap`), the reset after an out-of-memory error (`oom`), the step
 mode (`step_mode`), CPU Adam's C++ step powers on resume (`cpu_adam`) and the silenced op probe (`ops`).
-They use DeepSpeed's private names, so `check_version` refuses any other DeepSpeed with one line.
+They use DeepSpeed's private names (`step_mode` alone reads none: it decides which of them a run takes),
+so `check_version` refuses any other DeepSpeed with one line.
 """
 
 from __future__ import annotations
