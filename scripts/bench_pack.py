@@ -111,7 +111,10 @@ def train_command(s: dict[str, Any], data: Path, run_dir: Path, steps: int, pack
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The step records written so far; a line still being written is left for the next look."""
+    """The step records written so far; a line still being written is left for the next look.
+
+    Not fitone.metrics.read_metrics: that one reads a finished run (a missing file is an error) and importing
+    fitone would load torch in this parent, which only polls its children's files."""
     if not path.is_file():
         return []
     records = []
