@@ -81,7 +81,8 @@ def test_many_groups_train_bit_for_bit_as_one(monkeypatch):
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_the_lean_layout_accumulates_in_the_gradient_buffer_bit_for_bit(monkeypatch, precision):
     """Three micro-batches into one step: the fp32 gradients at the boundary equal DeepSpeed's own layout's
-    to the last bit, with no accumulation buffer of its own and one group's staging buffer on the host."""
+    to the last bit, with no accumulation buffer of its own, one group's staging buffer on the host, and
+    the layout's own accumulation (no host wait, no copy of the sum at the boundary) in place of DeepSpeed's."""
     monkeypatch.setattr(layout, "GROUP_ELEMENTS", SMALL_GROUPS)
     grads = {}
     for lean in (False, True):
@@ -99,6 +100,7 @@ def test_the_lean_layout_accumulates_in_the_gradient_buffer_bit_for_bit(monkeypa
                 held = {t.untyped_storage().data_ptr() for t in opt.accumulated_grads_in_cpu.values()}
                 buffers = {p.grad.untyped_storage().data_ptr() for p in opt.single_partition_of_fp32_groups}
                 assert opt.accumulated_grads_in_cpu and held <= buffers  # the sums live in the gradient buffers
+                assert "LeanHost" in opt.async_accumulate_grad_in_cpu_via_gpu.__qualname__  # its adds, not DeepSpeed's
                 staging = engine.host.host_bytes()["16-bit staging"]  # one group's worth, shared by all
                 flat = opt.bit16_groups_flat
                 assert staging == max(b.numel() for b in flat) * flat[0].element_size()

@@ -81,6 +81,7 @@ class LeanHost:
         for i, buffer in enumerate(staging):  # once the source is read, so the next group may reuse it
             staging[i] = scratch[:buffer.numel()].view_as(buffer)
         self._accumulate_in_gradient_buffers()
+        self._lean_accumulation()
         if optimizer.bit16_groups_flat[0].is_cuda:
             for master in optimizer.single_partition_of_fp32_groups:
                 self._register(master.data)
@@ -98,6 +99,34 @@ class LeanHost:
                 if source_offset != 0 or n != p.numel():
                     raise ValueError("the lean host layout runs on one rank (each parameter whole in the partition)")
                 opt.accumulated_grads_in_cpu[param_id] = slots.narrow(0, per_slot * dest_offset, n)
+
+    def _lean_accumulation(self) -> None:
+        """DeepSpeed's accumulation between micro-batches (async_accumulate_grad_in_cpu_via_gpu), the same
+        16-bit adds on the GPU in the same order, without two costs that protect what this layout does not
+        have (bench/NOTES.md, 2026-12-01):
+        - its host wait, per parameter, for every earlier gradient copy: a pageable host buffer is read when
+          its copy is queued, not in stream order, but these are page-locked (on a GPU) or not copied
+          asynchronously at all (on a CPU). The wait kept the next layer's backward from being queued
+          beside the copies. The copies are still recorded, so the step's own wait before the update
+          reads the buffers stays.
+        - at the accumulation boundary, its copy of the 16-bit sum to the host: the fp32 gradient copied
+          right after it, on the same stream, overwrites that slot (`_accumulate_in_gradient_buffers`).
+        """
+        opt = self.opt
+
+        def accumulate(param: torch.nn.Parameter) -> None:
+            held = opt.accumulated_grads_in_cpu[opt.get_param_id(param)].view(-1)
+            grad = opt.get_param_gradient_attribute(param).data.view(-1)
+            if opt.micro_step_id > 0:
+                # a reused GPU buffer, as DeepSpeed's: the copy and the add are queued on one stream
+                carried = opt.temp_grad_buffer_for_gpu_offload.view(-1).narrow(0, 0, param.numel())
+                carried.copy_(held, non_blocking=True)
+                grad.add_(carried)
+            if not opt.is_gradient_accumulation_boundary():
+                held.copy_(grad, non_blocking=True)
+            opt._record_offload_copy()
+
+        opt.async_accumulate_grad_in_cpu_via_gpu = accumulate  # shadows the method on this optimizer only
 
     def _register(self, tensor: torch.Tensor) -> None:
         if tensor.numel() == 0 or tensor.is_pinned():

@@ -35,18 +35,18 @@ def gpu_settings(precision: str, **overrides):
     return TrainConfig(**{**values, **overrides})
 
 
-def gpu_engine(precision: str, *, pipelined: bool):
+def gpu_engine(precision: str, *, pipelined: bool, grad_accum: int = 1):
     """A ZeRO-2 CPU-offload engine on the GPU with the DeepSpeed config training builds there (pinned host
     buffers, overlap_comm, clip 1.0, fp16's dynamic loss scale); `pipelined`: fitone's default step on one
     GPU, else DeepSpeed's own. Seeded weights, no dropout and eager attention, so that two engines given
     the same batches run the same kernels on the same inputs (the fused attention backwards accumulate in
-    a varying order) and differ only where their optimizer steps do."""
+    a varying order) and differ only where their optimizer steps do. `grad_accum` micro-batches a step."""
     from fitone.ds_config import build_ds_config
     from fitone.engine import Engine
     from fitone.runtime import start_runtime
     from fitone.models import build_model, load_config
 
-    cfg = gpu_settings(precision)
+    cfg = gpu_settings(precision, grad_accum=grad_accum)
     start_runtime(cfg)
     config = load_config(MODEL, from_scratch=True)
     config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
@@ -65,12 +65,16 @@ def lm_batch(step: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
 
 
-def train_step(engine, step: int) -> float:
-    """One optimizer step on `lm_batch(step)`, as fitone's loop takes it (the loss read after the step)."""
-    loss = engine.forward(lm_batch(step))
-    engine.backward(loss)
-    engine.step()
-    return float(loss.detach().float().item())
+def train_step(engine, step: int, grad_accum: int = 1) -> float:
+    """One optimizer step of `grad_accum` micro-batches (`lm_batch(step)`, then other batches of their own),
+    as fitone's loop takes it: the mean loss, read after the step."""
+    losses = []
+    for micro in range(grad_accum):
+        loss = engine.forward(lm_batch(step + 1000 * micro))
+        engine.backward(loss)
+        engine.step()  # DeepSpeed applies it at the last micro-batch only
+        losses.append(loss.detach())
+    return float(torch.stack(losses).float().mean().item())
 
 
 def masters(engine) -> list[torch.Tensor]:

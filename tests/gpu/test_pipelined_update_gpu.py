@@ -30,14 +30,16 @@ def comparable(name: str, weight: torch.Tensor) -> torch.Tensor:
     return weight.float()
 
 
-def run(precision: str, *, pipelined: bool) -> tuple[list[float], dict[str, torch.Tensor], int]:
+def run(precision: str, *, pipelined: bool, grad_accum: int) -> tuple[list[float], dict[str, torch.Tensor], int]:
     """STEPS steps; returns the losses, the module's 16-bit weights at the end and the skipped steps."""
-    engine = gpu_engine(precision, pipelined=pipelined)
+    engine = gpu_engine(precision, pipelined=pipelined, grad_accum=grad_accum)
     try:
         if pipelined:
             assert len(engine.overlap.chunks[0]) > 1  # several chunks: later ones land while the forward runs
         assert engine.optimizer.single_partition_of_fp32_groups[0].is_pinned()  # what the uploads read
-        losses = [train_step(engine, step) for step in range(1, STEPS + 1)]
+        if pipelined and grad_accum > 1:  # the lean layout's accumulation (no host wait), not DeepSpeed's
+            assert "LeanHost" in engine.optimizer.async_accumulate_grad_in_cpu_via_gpu.__qualname__
+        losses = [train_step(engine, step, grad_accum) for step in range(1, STEPS + 1)]
         engine.sync_weights()
         if pipelined:
             assert engine.overlap.applied == STEPS - engine.skipped_steps
@@ -46,8 +48,8 @@ def run(precision: str, *, pipelined: bool) -> tuple[list[float], dict[str, torc
         engine.close()
 
 
-@pytest.mark.parametrize("precision", ["fp16", "bf16"])
-def test_the_pipelined_update_gives_deepspeeds_losses_and_weights_on_the_gpu(precision):
+@pytest.mark.parametrize(("precision", "grad_accum"), [("fp16", 1), ("bf16", 1), ("fp16", 3), ("bf16", 3)])
+def test_the_pipelined_update_gives_deepspeeds_losses_and_weights_on_the_gpu(precision, grad_accum):
     """Tolerances, from the dtype's rounding. Both runs launch the same GPU kernels on the same batches;
     what differs first is the CPU Adam (DeepSpeedCPUAdam's SIMD loop against PyTorch's fused AdamW with the
     unscale and clip folded in), by a few fp32 roundings: the masters are a few ulp32 apart, and so the
@@ -62,10 +64,13 @@ def test_the_pipelined_update_gives_deepspeeds_losses_and_weights_on_the_gpu(pre
       u is far above its own rounding step; a bound at that step would mean bit-identical.
     A forward that read a chunk before its update landed would see weights one Adam step (~lr = 1e-3) away
     in every element of it, and every step after would take that gradient: the loss, which falls by far
-    more than u per step (checked first), shows it at once, the weights by the end."""
+    more than u per step (checked first), shows it at once, the weights by the end.
+    With 3 micro-batches a step both runs add the 16-bit gradients with the same kernels in the same order
+    (the lean layout's copies run without DeepSpeed's host wait): a sum read before its last copy landed
+    would drop a micro-batch's gradient, a third of the step, far outside these bounds."""
     u = UNIT_ROUNDOFF[precision]
-    want_losses, want, want_skipped = run(precision, pipelined=False)
-    got_losses, got, got_skipped = run(precision, pipelined=True)
+    want_losses, want, want_skipped = run(precision, pipelined=False, grad_accum=grad_accum)
+    got_losses, got, got_skipped = run(precision, pipelined=True, grad_accum=grad_accum)
 
     assert want_losses[-1] < 0.8 * want_losses[0], want_losses  # every update moves the loss
     loss_err = max(abs(g - w) / abs(w) for g, w in zip(got_losses, want_losses))
@@ -75,8 +80,8 @@ def test_the_pipelined_update_gives_deepspeeds_losses_and_weights_on_the_gpu(pre
         bound = 2 * u * float(b.norm()) + 4 * u * LR * STEPS * b.numel() ** 0.5
         ratio[name] = float((a - b).norm()) / bound
     worst = max(ratio, key=ratio.get)
-    record(f"pipelined_vs_deepspeed[{precision}]", unit_roundoff=u, max_loss_rel_err=loss_err, worst_weight=worst,
-           worst_weight_gap_over_bound=ratio[worst], skipped=[want_skipped, got_skipped],
+    record(f"pipelined_vs_deepspeed[{precision}-accum{grad_accum}]", unit_roundoff=u, max_loss_rel_err=loss_err,
+           worst_weight=worst, worst_weight_gap_over_bound=ratio[worst], skipped=[want_skipped, got_skipped],
            losses_deepspeed=want_losses, losses_pipelined=got_losses)
     assert got_skipped == want_skipped  # fp16: the same steps overflowed while the loss scale settled
     assert loss_err <= u, (got_losses, want_losses)
