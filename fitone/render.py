@@ -73,9 +73,11 @@ def plan_dict(p: Plan) -> dict[str, Any]:
         "offload": "cpu" if p.offload else "none", "gpus": p.gpus, "micro_batch": p.micro_batch,
         "lengths": p.lengths, "activation_checkpointing": p.activation_checkpointing,
         "gpu_gib": gib(p.gpu_total, 3), "gpu_allocated_gib": gib(p.gpu_allocated, 3), "host_gib": gib(p.host_total, 3),
+        "gpu_init_gib": gib(p.gpu_init_total, 3), "gpu_peak_gib": gib(p.gpu_peak, 3),
+        "gpu_peak_phase": p.gpu_peak_phase,
         "gpu_limit_gib": None if p.gpu_limit is None else gib(p.gpu_limit, 3),
         "gpu_limit_source": p.gpu_limit_source, "host_available_gib": gib(p.host_available, 3),
-        "components": {"gpu": comps(p.gpu), "host": comps(p.host)},
+        "components": {"gpu": comps(p.gpu), "gpu_init": comps(p.gpu_init), "host": comps(p.host)},
         "categories_gib": {w: {k: gib(v, 3) for k, v in p.by_category(w).items()} for w in ("gpu", "host")},
         "activation_per_sample_gib": gib(p.activation_per_sample, 3),
         "activation_per_sample_ckpt_gib": gib(p.activation_per_sample_ckpt, 3),
@@ -112,6 +114,10 @@ def plan_text(p: Plan) -> str:
         lines += [f"  {c.name:<{width - 2}}{gib(c.bytes, 3):>8.2f}   {c.note}".rstrip() for c in items]
         of = "" if limit is None else f" of {gib(limit, 3):.2f} ({limit_name})"
         lines += [f"  {'total':<{width - 2}}{gib(total, 3):>8.2f}{of}", ""]
+    if p.gpu_init:
+        init = ", ".join(f"{c.name} {gib(c.bytes, 3):.2f}" for c in p.gpu_init)
+        lines += [f"GPU at the engine's init: {gib(p.gpu_init_total, 3):.2f} GiB ({init})",
+                  f"GPU peak: the {p.gpu_peak_phase}'s, {gib(p.gpu_peak, 3):.2f} GiB", ""]
     act = (f"activations per sample: {p.activation_per_sample_ckpt / 2**20:.1f} MiB with checkpointing, "
            f"{p.activation_per_sample_no_ckpt / 2**20:.1f} MiB without")
     lines.append(act)

@@ -58,8 +58,8 @@ def _judge(p: Plan, st: _Setup, gpu_total: Callable[..., int], max_batch: Callab
     else:
         p.verdict = DOES_NOT_FIT
     # shortfalls of the configured mode
-    if p.gpu_limit is not None and p.gpu_total > p.gpu_limit:
-        p.short["GPU"] = p.gpu_total - p.gpu_limit
+    if p.gpu_limit is not None and p.gpu_peak > p.gpu_limit:
+        p.short["GPU"] = p.gpu_peak - p.gpu_limit
     if p.host_total > p.host_available:
         p.short["host"] = p.host_total - p.host_available
 
@@ -87,8 +87,12 @@ def _judge(p: Plan, st: _Setup, gpu_total: Callable[..., int], max_batch: Callab
         for text, applies, alt in alternatives:
             if applies:
                 saved = gpu_total(p.micro_batch, p.offload) - gpu_total(p.micro_batch, p.offload, alt)
-                tips.append(f"{text}: saves {_g(saved):.1f} GiB at this micro-batch, largest micro-batch "
-                            f"{max_batch(p.offload, alt)}")
+                if saved > 0:  # nothing a step holds helps when the engine's init is what binds
+                    tips.append(f"{text}: saves {_g(saved):.1f} GiB at this micro-batch, largest micro-batch "
+                                f"{max_batch(p.offload, alt)}")
+        if p.gpu_peak_phase == "engine init":
+            tips.append("a GPU with more memory, or a smaller model: the engine's init, before any batch, needs "
+                        f"{_g(p.gpu_init_total):.1f} GiB")
     if "host" in p.short:
         tips.append(f"a machine with at least {_g(p.host_total) + 1:.0f} GiB of host RAM "
                     f"({_g(p.short['host']):.1f} GiB more than available)")

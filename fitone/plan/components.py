@@ -68,6 +68,18 @@ class Plan:
     suggestions: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     deepspeed_estimate: dict[str, int] | None = None
+    gpu_init: list[Component] = field(default_factory=list)  # per rank, at the engine's init
+    gpu_init_total: int = 0
+
+    @property
+    def gpu_peak(self) -> int:
+        """What the GPU must hold at the run's worst moment: the engine's init or a training step."""
+        return max(self.gpu_total, self.gpu_init_total)
+
+    @property
+    def gpu_peak_phase(self) -> str:
+        """Which phase sets `gpu_peak` (and so the GPU verdict): "step" or "engine init"."""
+        return "engine init" if self.gpu_init_total > self.gpu_total else "step"
 
     @property
     def gpu_allocated(self) -> int:
@@ -173,6 +185,28 @@ def _gpu_components(st: _Setup, offload: bool, micro_batch: int) -> list[Compone
         if step > backward:
             comps.append(Component("step fp32 grads", "buffers", step - backward,
                                    "optimizer step's fp32 grad partition beyond the backward peak"))
+    allocated = sum(c.bytes for c in comps)
+    if st.on_gpu:
+        comps.append(Component("CUDA context", "overhead", CUDA_CONTEXT, "outside the allocator"))
+    comps.append(Component("fragmentation margin", "overhead", int(FRAGMENTATION * allocated),
+                           f"{FRAGMENTATION:.0%} of allocated"))
+    return comps
+
+
+def _gpu_init_components(st: _Setup, offload: bool) -> list[Component]:
+    """The GPU at the engine's init, before any activation: DeepSpeed flattens each parameter group into one
+    buffer beside the group's own tensors (fitone.zero2.layout bounds the groups; measured about two groups
+    over the weights: bench/results/2026-11-30-issue19/), and without offload makes the fp32 master there."""
+    from fitone.zero2 import layout
+
+    s, w = st.shape, st.w
+    part = math.ceil(s.n_params / st.gpus)
+    group = max(min(s.n_params, layout.GROUP_ELEMENTS), s.largest_param)
+    comps = [Component("weights", "weights", w * s.n_params, f"{'fp32' if w == 4 else '16-bit'}, {w} B/param"),
+             Component("group flattening", "buffers", 2 * w * group,
+                       "about two parameter groups' flat copies beside their tensors (flatten_dense_tensors_aligned)")]
+    if not offload:
+        comps.append(Component("fp32 master", "optimizer", 4 * part, "made on the GPU at init (line 560)"))
     allocated = sum(c.bytes for c in comps)
     if st.on_gpu:
         comps.append(Component("CUDA context", "overhead", CUDA_CONTEXT, "outside the allocator"))

@@ -11,8 +11,8 @@ from fitone.zero2 import step_mode
 from fitone.zero2.step_mode import StepMode
 from fitone.plan.activations import Lengths
 from fitone.plan.advice import DOES_NOT_FIT, FITS_WITH_OFFLOAD, _judge
-from fitone.plan.components import (CUDA_CONTEXT, Plan, _deepspeed_estimate, _g, _gpu_components, _host_components,
-                                    _largest_batch, _Setup)
+from fitone.plan.components import (CUDA_CONTEXT, Plan, _deepspeed_estimate, _g, _gpu_components,
+                                    _gpu_init_components, _host_components, _largest_batch, _Setup)
 from fitone.plan.shape import model_shape
 from fitone.units import parse_size
 
@@ -79,8 +79,9 @@ def preflight(cfg: TrainConfig, *, micro_batch: int, world_size: int = 1, config
                 fixes.append("a larger --max-gpu-memory")
             fixes += ["a GPU with more memory", "a smaller model"]
             raise MemoryBudgetError(
-                f"does not fit on the GPU even at micro-batch 1: the plan needs {_g(at_one.gpu_total):.1f} GiB "
-                f"({_g(at_one.by_category('gpu')['weights']):.1f} GiB of weights) of {_g(at_one.gpu_limit):.1f} GiB "
+                f"does not fit on the GPU even at micro-batch 1: the plan needs {_g(at_one.gpu_peak):.1f} GiB "
+                f"at its {at_one.gpu_peak_phase} ({_g(at_one.by_category('gpu')['weights']):.1f} GiB of weights) "
+                f"of {_g(at_one.gpu_limit):.1f} GiB "
                 f"({at_one.gpu_limit_source}), {_g(at_one.short['GPU']):.1f} GiB short; use {', or '.join(fixes)} "
                 "(`fitone plan` shows where the memory goes; --no-preflight tries anyway)"
             )
@@ -161,7 +162,9 @@ def _make_plan(cfg: TrainConfig, *, gpus: int, gpu_limit: int | None, gpu_limit_
                 == step_mode.PIPELINED)
 
     def gpu_total(b: int, off: bool, setup: _Setup = st) -> int:
-        return sum(c.bytes for c in _gpu_components(setup, off, b))
+        """The GPU peak at micro-batch b: a step's, or the engine init's where that is higher."""
+        return max(sum(c.bytes for c in _gpu_components(setup, off, b)),
+                   sum(c.bytes for c in _gpu_init_components(setup, off)))
 
     def max_batch(off: bool, setup: _Setup = st) -> int | None:
         if gpu_limit is None:
@@ -174,6 +177,7 @@ def _make_plan(cfg: TrainConfig, *, gpus: int, gpu_limit: int | None, gpu_limit_
     host_total = gpus * sum(c.bytes for c in host)
     host_no = gpus * sum(c.bytes for c in _host_components(st, False))
     gpu = _gpu_components(st, offload, micro_batch)
+    gpu_init = _gpu_init_components(st, offload)
     p = Plan(
         model=cfg.model or "", family=shape.family, n_params=shape.n_params, precision=cfg.precision,
         offload=offload, gpus=gpus, micro_batch=micro_batch,
@@ -186,6 +190,7 @@ def _make_plan(cfg: TrainConfig, *, gpus: int, gpu_limit: int | None, gpu_limit_
         max_micro_batch_without_offload=max_batch(False), gpu_total_without_offload=gpu_total(micro_batch, False),
         host_total_without_offload=host_no, verdict=DOES_NOT_FIT, notes=notes,
         deepspeed_estimate=_deepspeed_estimate(shape.n_params, gpus, offload),
+        gpu_init=gpu_init, gpu_init_total=sum(c.bytes for c in gpu_init),
     )
     # an 'auto' micro-batch is probed later: it fits if a micro-batch of 1 does
     _judge(p, st, gpu_total, max_batch, judge_at=1 if auto else micro_batch)
