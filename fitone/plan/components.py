@@ -185,6 +185,11 @@ def _gpu_components(st: _Setup, offload: bool, micro_batch: int) -> list[Compone
         if step > backward:
             comps.append(Component("step fp32 grads", "buffers", step - backward,
                                    "optimizer step's fp32 grad partition beyond the backward peak"))
+    return _with_overhead(st, comps)
+
+
+def _with_overhead(st: _Setup, comps: list[Component]) -> list[Component]:
+    """What the GPU holds beyond the allocated pieces: the CUDA context (on a GPU) and a fragmentation margin."""
     allocated = sum(c.bytes for c in comps)
     if st.on_gpu:
         comps.append(Component("CUDA context", "overhead", CUDA_CONTEXT, "outside the allocator"))
@@ -207,12 +212,7 @@ def _gpu_init_components(st: _Setup, offload: bool) -> list[Component]:
                        "about two parameter groups' flat copies beside their tensors (flatten_dense_tensors_aligned)")]
     if not offload:
         comps.append(Component("fp32 master", "optimizer", 4 * part, "made on the GPU at init (line 560)"))
-    allocated = sum(c.bytes for c in comps)
-    if st.on_gpu:
-        comps.append(Component("CUDA context", "overhead", CUDA_CONTEXT, "outside the allocator"))
-    comps.append(Component("fragmentation margin", "overhead", int(FRAGMENTATION * allocated),
-                           f"{FRAGMENTATION:.0%} of allocated"))
-    return comps
+    return _with_overhead(st, comps)
 
 
 def _host_components(st: _Setup, offload: bool) -> list[Component]:
