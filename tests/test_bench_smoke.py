@@ -325,3 +325,20 @@ def test_a_child_killed_by_the_kernel_leaves_a_record_saying_so(tmp_path, monkey
     assert (rec["params"], rec["peak_host_gib_last_seen"], rec["step_s"]) == (123, 101.5, None)
     assert (rec["grad_accum"], rec["seq_len"], rec["ds_param_groups"]) == (2, 16, 2)
     assert "host RSS 101.5 GiB 30 s in" in table.render([rec])
+
+
+def test_check_export_loads_a_saved_model_dir_and_reports_what_came_back(tiny_gpt_dir, tiny_t5_dir, tmp_path,
+                                                                          monkeypatch, capsys):
+    """scripts/check_export.py, used on the GPU after a 7B export: a causal LM and a seq2seq model load with
+    from_pretrained, the record counts every parameter and has a finite forward loss; the JSON is written."""
+    from transformers import AutoModel
+
+    check = _load("check_export")
+    for model_dir in (tiny_gpt_dir, tiny_t5_dir):
+        out = tmp_path / model_dir.name
+        monkeypatch.setattr("sys.argv", ["check_export.py", str(model_dir), "--out", str(out)])
+        assert check.main() == 0
+        record = json.loads((out / "export-check.json").read_text())
+        assert capsys.readouterr().out.startswith("EXPORT ")
+        assert record["params"] == sum(p.numel() for p in AutoModel.from_pretrained(model_dir).parameters())
+        assert record["loss_is_finite"] and any(name.endswith(".safetensors") for name in record["files"])
