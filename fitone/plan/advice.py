@@ -44,12 +44,12 @@ def unforeseen_oom(phase: str, *, verbose: bool = False) -> Iterator[None]:
         raise err from exc
 
 
-def _judge(p: Plan, st: _Setup, gpu_total: Callable[..., int], max_batch: Callable[..., int | None],
+def _judge(p: Plan, st: _Setup, gpu_peak: Callable[..., int], max_batch: Callable[..., int | None],
            judge_at: int) -> None:
     """Fill in the verdict, what runs short, and what would help."""
     gpu_ok = lambda total: p.gpu_limit is None or total <= p.gpu_limit  # noqa: E731
     host_ok = lambda total: total <= p.host_available  # noqa: E731
-    gpu_off, gpu_on = gpu_total(judge_at, True), gpu_total(judge_at, False)
+    gpu_off, gpu_on = gpu_peak(judge_at, True), gpu_peak(judge_at, False)
     host_off = p.host_total if p.offload else st.gpus * sum(c.bytes for c in _host_components(st, True))
     if p.gpu_limit is not None and gpu_ok(gpu_on) and host_ok(p.host_total_without_offload):
         p.verdict = FITS_ON_GPU
@@ -86,7 +86,7 @@ def _judge(p: Plan, st: _Setup, gpu_total: Callable[..., int], max_batch: Callab
         ]
         for text, applies, alt in alternatives:
             if applies:
-                saved = gpu_total(p.micro_batch, p.offload) - gpu_total(p.micro_batch, p.offload, alt)
+                saved = gpu_peak(p.micro_batch, p.offload) - gpu_peak(p.micro_batch, p.offload, alt)
                 if saved > 0:  # nothing a step holds helps when the engine's init is what binds
                     tips.append(f"{text}: saves {_g(saved):.1f} GiB at this micro-batch, largest micro-batch "
                                 f"{max_batch(p.offload, alt)}")

@@ -69,7 +69,10 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     deepspeed_estimate: dict[str, int] | None = None
     gpu_init: list[Component] = field(default_factory=list)  # per rank, at the engine's init
-    gpu_init_total: int = 0
+
+    @property
+    def gpu_init_total(self) -> int:
+        return sum(c.bytes for c in self.gpu_init)
 
     @property
     def gpu_peak(self) -> int:

@@ -117,7 +117,7 @@ def _host_need(p: Plan, on_gpu: bool) -> int:
 
 
 def _gpu_limit(cfg: TrainConfig, gpu_mem: int | str | None) -> tuple[int | None, str]:
-    """Card-equivalent bytes gpu_total must stay under, and where that number came from."""
+    """Card-equivalent bytes the GPU peak must stay under, and where that number came from."""
     card = parse_size(gpu_mem, "--gpu-mem")
     source = f"--gpu-mem {gpu_mem}" if card else ""
     if card is None and memory.cuda_ready():
@@ -161,7 +161,7 @@ def _make_plan(cfg: TrainConfig, *, gpus: int, gpu_limit: int | None, gpu_limit_
                 pipelined_update=(mode or step_mode.for_config(cfg, world_size=gpus, on_gpu=on_gpu, ds=ds)).name
                 == step_mode.PIPELINED)
 
-    def gpu_total(b: int, off: bool, setup: _Setup = st) -> int:
+    def gpu_peak(b: int, off: bool, setup: _Setup = st) -> int:
         """The GPU peak at micro-batch b: a step's, or the engine init's where that is higher."""
         return max(sum(c.bytes for c in _gpu_components(setup, off, b)),
                    sum(c.bytes for c in _gpu_init_components(setup, off)))
@@ -169,7 +169,7 @@ def _make_plan(cfg: TrainConfig, *, gpus: int, gpu_limit: int | None, gpu_limit_
     def max_batch(off: bool, setup: _Setup = st) -> int | None:
         if gpu_limit is None:
             return None
-        return _largest_batch(lambda b: gpu_total(b, off, setup) <= gpu_limit, 64)
+        return _largest_batch(lambda b: gpu_peak(b, off, setup) <= gpu_limit, 64)
 
     best = max_batch(offload)
     micro_batch = max(1, best or 1) if auto else int(cfg.batch_size)
@@ -177,7 +177,6 @@ def _make_plan(cfg: TrainConfig, *, gpus: int, gpu_limit: int | None, gpu_limit_
     host_total = gpus * sum(c.bytes for c in host)
     host_no = gpus * sum(c.bytes for c in _host_components(st, False))
     gpu = _gpu_components(st, offload, micro_batch)
-    gpu_init = _gpu_init_components(st, offload)
     p = Plan(
         model=cfg.model or "", family=shape.family, n_params=shape.n_params, precision=cfg.precision,
         offload=offload, gpus=gpus, micro_batch=micro_batch,
@@ -187,11 +186,11 @@ def _make_plan(cfg: TrainConfig, *, gpus: int, gpu_limit: int | None, gpu_limit_
         gpu_limit_source=gpu_limit_source, host_available=host_available,
         activation_per_sample=st.per_sample(), activation_per_sample_ckpt=st.per_sample(True),
         activation_per_sample_no_ckpt=st.per_sample(False), max_micro_batch=best,
-        max_micro_batch_without_offload=max_batch(False), gpu_total_without_offload=gpu_total(micro_batch, False),
+        max_micro_batch_without_offload=max_batch(False), gpu_total_without_offload=gpu_peak(micro_batch, False),
         host_total_without_offload=host_no, verdict=DOES_NOT_FIT, notes=notes,
         deepspeed_estimate=_deepspeed_estimate(shape.n_params, gpus, offload),
-        gpu_init=gpu_init, gpu_init_total=sum(c.bytes for c in gpu_init),
+        gpu_init=_gpu_init_components(st, offload),
     )
     # an 'auto' micro-batch is probed later: it fits if a micro-batch of 1 does
-    _judge(p, st, gpu_total, max_batch, judge_at=1 if auto else micro_batch)
+    _judge(p, st, gpu_peak, max_batch, judge_at=1 if auto else micro_batch)
     return p
