@@ -11,9 +11,12 @@ rounds by absolute row position (bf16 holds integers exactly only up to 256) sho
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import user_models
+from conftest import run_main
 from tolerance import fp32_logit_drift
 
 from fitone import packing
@@ -107,3 +110,45 @@ def test_flash_attention_is_refused_until_proven():
     config._attn_implementation = "flash_attention_2"
     with pytest.raises(ConfigError, match="not proven exact for llama with flash_attention_2 attention.*drop --pack$"):
         packing.require_exact_packing(config)
+
+
+# -- through the CLI: a user's own model directory ----------------------------------------------------
+@pytest.fixture(scope="module")
+def opt_dir(tmp_path_factory):
+    return user_models.model_dir("opt", tmp_path_factory.mktemp("models") / "opt", bos=True)
+
+
+@pytest.fixture(scope="module")
+def texts(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "texts.jsonl"
+    words = ["the quick brown fox", "hello world", "nine hundred ninety-nine", "question: answer:"]
+    path.write_text("".join(json.dumps({"text": " ".join(words[(i + k) % 4] for k in range(1 + i % 3))}) + "\n"
+                            for i in range(64)))
+    return path
+
+
+def test_train_plan_and_probe_refuse_pack_on_opt_in_one_line_before_any_weights(opt_dir, texts, tmp_path):
+    out = tmp_path / "run"
+    common = ["--model", str(opt_dir), "--seq-len", "64", "--pack", "--device", "cpu"]
+    rc, _, err = run_main(["train", *common, "--data", str(texts), "--out", str(out), "--batch-size", "2",
+                           "--max-steps", "2", "--precision", "fp32", "--no-progress"])
+    assert rc == 2 and not out.exists()
+    assert err.strip().splitlines() == ["fitone: error: --pack lets a packed row's examples see each other in opt: "
+                                        f"{packing.LEAKS['opt']}; drop --pack"]
+    for command in (["plan", *common, "--gpu-mem", "24GiB"], ["probe-batch", *common, "--max-batch", "4"]):
+        rc, _, also = run_main(command)
+        assert (rc, also) == (2, err), command
+    rc, _, _ = run_main(["plan", *[f for f in common if f != "--pack"], "--gpu-mem", "24GiB"])
+    assert rc == 0  # without --pack the same model plans
+
+
+@pytest.mark.parametrize("arch, bos", [("llama3", True), ("qwen2", False)])
+def test_pack_trains_a_users_own_model_that_packs_exactly(arch, bos, texts, tmp_path):
+    import fitone
+    from conftest import cpu_config
+
+    model = user_models.model_dir(arch, tmp_path / arch, bos=bos)
+    result = fitone.train(cpu_config(model=str(model), from_scratch=False, data=str(texts), seq_len=64, pack=True,
+                                     batch_size=2, max_steps=12, lr=3e-3))
+    head, tail = sum(result.losses[:3]) / 3, sum(result.losses[-3:]) / 3
+    assert tail < 0.8 * head, result.losses
