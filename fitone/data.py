@@ -313,7 +313,7 @@ def pack_examples(table, seq_len: int, pad_id: int, *, use_cache: bool = True):
     """Whole examples concatenated, in order, into rows of exactly seq_len tokens.
 
     Each example's position ids restart at 0, which is how transformers finds the examples of a row
-    (varlen flash attention, or a block-diagonal mask for sdpa/eager): no token attends to another
+    (a block-diagonal mask, on the models fitone.packing lists): no token attends to another
     example's. Each example's first label is ignored, as the unpacked loss never predicts a first
     token. The rest of a row, shorter than the next example, is padding: its own block, no labels."""
     def pack(batch: dict[str, list]) -> dict[str, list]:
@@ -470,7 +470,7 @@ def example_lengths(data: Dataset) -> Sequence[int]:
 
 def _packed_row(vocab_size: int, seq_len: int, seed: int) -> Example:
     """A full packed row of random tokens: examples of a quarter of the row each, so the attention runs the
-    packed path (a block-diagonal mask, or varlen flash attention) that training's rows take."""
+    packed path (a block-diagonal mask) that training's rows take."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, vocab_size, (seq_len,), generator=g).tolist()
     part = max(1, seq_len // 4)

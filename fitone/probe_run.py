@@ -38,6 +38,7 @@ from fitone.errors import ConfigError
 from fitone import loss as fused_loss
 from fitone.models import (CAUSAL, build_model, check_seq_len, enable_activation_checkpointing, load_config,
                            load_tokenizer, require_model, task_of)
+from fitone.packing import require_exact_packing
 from fitone.plan import unforeseen_oom
 from fitone.probe import ProbeResult, TrialResult, _check_arguments, search_batch_size
 from fitone.runtime import Runtime, build_runtime
@@ -96,6 +97,8 @@ def probe_batch(
     if config is None:
         config = load_config(cfg.model, from_scratch=cfg.from_scratch)
         check_seq_len(config, cfg.seq_len, cfg.model)
+        if cfg.pack and task_of(config) == CAUSAL:
+            require_exact_packing(config)
     # a probe runs on one GPU: the step these settings take there
     mode = (mode or step_mode.for_config(cfg, world_size=1, on_gpu=runtime.on_gpu)).on_one_gpu()
     device = runtime.device

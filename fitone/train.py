@@ -33,6 +33,7 @@ from fitone.guards import BadStepStreak, HostMemoryWatch, StopRequest, is_loss_s
 from fitone.metrics import MetricsLog
 from fitone.models import (CAUSAL, SEQ2SEQ, LoadedModel, check_seq_len, enable_activation_checkpointing, load_config,
                            load_model, require_model, task_of)
+from fitone.packing import require_exact_packing
 from fitone.plan import unforeseen_oom
 from fitone.rundir import check_run_dir, setup_run_dir
 from fitone.runtime import Runtime, build_runtime
@@ -167,6 +168,8 @@ class Trainer:
         cfg = self.cfg
         task = task_of(config)
         check_seq_len(config, cfg.seq_len, cfg.model)
+        if cfg.pack and task == CAUSAL:
+            require_exact_packing(config)
         if cfg.ds_config:
             read_user_config(cfg.ds_config)
         if cfg.batch_size != "auto":

@@ -145,6 +145,8 @@ def _make_plan(cfg: TrainConfig, *, gpus: int, gpu_limit: int | None, gpu_limit_
     lengths = Lengths(cfg.src_len, cfg.tgt_len) if shape.encoder_decoder else Lengths(cfg.seq_len, cfg.seq_len)
     if cfg.pack and shape.encoder_decoder:
         raise ConfigError(f"--pack is for causal LMs; {cfg.model} is seq2seq: drop --pack")
+    if cfg.pack and shape.pack_refusal:
+        raise ConfigError(shape.pack_refusal)
     if cfg.pack:  # the lengths above are the worst case of padded batches, and every packed batch's
         notes = [*notes, f"--pack: every batch is full ({cfg.seq_len} tokens per row), so every step takes this memory"]
     auto = cfg.batch_size == "auto"
