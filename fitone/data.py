@@ -25,6 +25,10 @@ SAMPLE_TRAIN = SAMPLE_DIR / "numbers-train.jsonl"
 SAMPLE_EVAL = SAMPLE_DIR / "numbers-eval.jsonl"
 IGNORE_INDEX = -100  # label positions the loss skips (padding)
 SYNTHETIC_SIZE = 1 << 20  # examples; generated on demand from the seed
+# part of the tokenised rows' cache key: a new value whenever the same rows and tokenizer give other tokens
+# (2: the tokenizer's own BOS is kept, issue 26), so rows cached by older code are tokenised again
+TOKENS_FORMAT = 2
+_PROBE = "a"  # a text that any tokenizer splits into ordinary tokens
 
 
 @dataclass
@@ -200,12 +204,18 @@ def load_dataset(cfg: TrainConfig, task: str, tokenizer, vocab_size: int, *, spl
 
 
 def tokenize(rows: Rows, task: str, tokenizer, cfg: TrainConfig, *, pack: bool = False) -> Dataset:
-    """Tokenise every row with datasets' map (a progress bar; cached between runs unless --no-cache)."""
+    """Tokenise every row with datasets' map (a progress bar; cached between runs unless --no-cache).
+
+    Text is tokenised as the model's tokenizer tokenises it: its own special tokens around each text (the BOS
+    a pretrained model always saw), and EOS at the end of what is learnt where the tokenizer adds none itself.
+    A prompt takes the tokenizer's start, its text the end: one BOS, at the very start."""
     from fitone.datasets_io import progress_bars
 
     if isinstance(rows.fields, ChatFields):
         chat_tokenizer(tokenizer, cfg.chat_template, rows.source)
+    before, after = special_tokens(tokenizer)
     eos = tokenizer.eos_token_id
+    end = after if eos is None or eos in after else after + [eos]  # so the model learns to stop
     fields = rows.fields
 
     def encode(batch: dict[str, list]) -> dict[str, list]:
@@ -218,13 +228,13 @@ def tokenize(rows: Rows, task: str, tokenizer, cfg: TrainConfig, *, pack: bool =
             out["truncated"].append(cut)
 
         if task == SEQ2SEQ:
-            srcs = tokenizer(batch[fields[0]], add_special_tokens=True)["input_ids"]
-            tgts = tokenizer(batch[fields[1]], add_special_tokens=True)["input_ids"]
+            srcs = tokenizer(batch[fields[0]], add_special_tokens=False)["input_ids"]
+            tgts = tokenizer(batch[fields[1]], add_special_tokens=False)["input_ids"]
             for s, t in zip(srcs, tgts):
-                add(Example(_clip(s, cfg.src_len, eos), _clip(t, cfg.tgt_len, eos)),
-                    len(s) > cfg.src_len or len(t) > cfg.tgt_len)
+                add(Example(_clip(before, s, after, cfg.src_len), _clip(before, t, end, cfg.tgt_len)),
+                    len(before) + len(s) + len(after) > cfg.src_len or len(before) + len(t) + len(end) > cfg.tgt_len)
         elif isinstance(fields, ChatFields):
-            for messages in batch[fields[0]]:
+            for messages in batch[fields[0]]:  # the chat template places BOS and end-of-turn tokens itself
                 ids, labels = render_chat(messages, tokenizer)
                 ids, labels, cut = ids[: cfg.seq_len], labels[: cfg.seq_len], len(ids) > cfg.seq_len
                 if any(y != IGNORE_INDEX for y in labels[1:]):  # else nothing to learn: left out (see `dropped`)
@@ -234,7 +244,7 @@ def tokenize(rows: Rows, task: str, tokenizer, cfg: TrainConfig, *, pack: bool =
             prompts = tokenizer(batch[fields[0]], add_special_tokens=False)["input_ids"] \
                 if len(fields) == 2 else [[] for _ in texts]
             for prompt, text in zip(prompts, texts):
-                add(*_causal_example(list(prompt), list(text) + ([eos] if eos is not None else []), cfg.seq_len))
+                add(*_causal_example(before, list(prompt), list(text) + end, cfg.seq_len))
         return out
 
     lengths = (cfg.src_len, cfg.tgt_len) if task == SEQ2SEQ else (cfg.seq_len,)
@@ -242,8 +252,8 @@ def tokenize(rows: Rows, task: str, tokenizer, cfg: TrainConfig, *, pack: bool =
         table = rows.table.select_columns(list(fields)).map(  # other columns are never read
             encode, batched=True, remove_columns=list(fields), desc="tokenising",
             load_from_cache_file=cfg.cache,
-            new_fingerprint=_fingerprint(rows.table, tokenizer, "tokenise", task, tuple(fields), lengths,
-                                         type(fields).__name__))
+            new_fingerprint=_fingerprint(rows.table, tokenizer, "tokenise", TOKENS_FORMAT, task, tuple(fields),
+                                         lengths, type(fields).__name__))
         truncated = sum(table["truncated"]) if len(table) else 0
         dropped = len(rows.table) - len(table)
         packed_from = None
@@ -252,6 +262,20 @@ def tokenize(rows: Rows, task: str, tokenizer, cfg: TrainConfig, *, pack: bool =
             table = pack_examples(table, cfg.seq_len, tokenizer.pad_token_id, use_cache=cfg.cache)
     return Dataset(task, ArrowExamples(table), truncated=truncated, source=rows.source, raw=rows,
                    dropped=dropped, packed_from=packed_from)
+
+
+def special_tokens(tokenizer) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer puts before and after any text of its own accord (BOS; T5's EOS), read off a
+    probe text tokenised with and without them."""
+    bare = tokenizer(_PROBE, add_special_tokens=False)["input_ids"]
+    full = tokenizer(_PROBE, add_special_tokens=True)["input_ids"]
+    for i in range(len(full) - len(bare) + 1):
+        if full[i: i + len(bare)] == bare:
+            return full[:i], full[i + len(bare):]
+    # the specials change how the text itself is split: keep the BOS and EOS they add
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    return ([bos] if bos is not None and full[:1] == [bos] != bare[:1] else [],
+            [eos] if eos is not None and full[-1:] == [eos] != bare[-1:] else [])
 
 
 def _fingerprint(table, tokenizer, *parts: Any) -> str:
@@ -344,24 +368,31 @@ def pack_examples(table, seq_len: int, pad_id: int, *, use_cache: bool = True):
                      load_from_cache_file=use_cache, new_fingerprint=_fingerprint(table, None, "pack", seq_len, pad_id))
 
 
-def _causal_example(prompt: list[int], text: list[int], limit: int) -> tuple[Example, bool]:
-    """prompt + text within `limit` tokens, the loss on the text only (prompt labels are IGNORE_INDEX).
+def _causal_example(before: list[int], prompt: list[int], text: list[int], limit: int) -> tuple[Example, bool]:
+    """before (the tokenizer's BOS) + prompt + text within `limit` tokens, the loss on the text only (BOS and
+    prompt labels are IGNORE_INDEX).
 
-    Too long: the text keeps its first tokens (at most limit - 1 when there is a prompt) and the prompt
-    its last ones, next to the text, so every example keeps something to learn from. Returns (example,
-    whether it was cut)."""
-    cut = len(prompt) + len(text) > limit
+    Too long: the BOS stays first, the text keeps its first tokens (at most all but one of the room left when
+    there is a prompt) and the prompt its last ones, next to the text, so every example keeps something to
+    learn from. Returns (example, whether it was cut)."""
+    before = before[: max(0, limit - 1)]  # a text token always fits
+    room = limit - len(before)
+    cut = len(prompt) + len(text) > room
     if cut:
-        text = text[: max(1, limit - 1)] if prompt else text[:limit]
-        prompt = prompt[len(prompt) - (limit - len(text)):] if limit > len(text) else []
-    return Example(prompt + text, [IGNORE_INDEX] * len(prompt) + text), cut
+        text = text[: max(1, room - 1)] if prompt else text[:room]
+        prompt = prompt[len(prompt) - (room - len(text)):] if room > len(text) else []
+    return Example(before + prompt + text, [IGNORE_INDEX] * (len(before) + len(prompt)) + text), cut
 
 
-def _clip(ids: list[int], limit: int, eos: int | None) -> list[int]:
-    """Truncate to `limit`, keeping the end-of-sequence token last so the model still learns to stop."""
-    if len(ids) <= limit:
-        return list(ids)
-    return list(ids[: limit - 1]) + [eos] if eos is not None else list(ids[:limit])
+def _clip(before: list[int], ids: list[int], after: list[int], limit: int) -> list[int]:
+    """before + ids + after within `limit`: too long, the text is cut, keeping the tokenizer's start (BOS) and
+    its end (EOS), so the model still learns to stop."""
+    if len(before) + len(ids) + len(after) <= limit:
+        return before + ids + after
+    ends = before + after
+    if len(ends) >= limit:  # no room for text: keep the end token
+        return ends[-limit:]
+    return before + ids[: limit - len(ends)] + after
 
 
 def collate(examples: Sequence[Example], task: str, pad_id: int) -> dict[str, torch.Tensor]:
