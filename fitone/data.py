@@ -9,6 +9,7 @@ Order is a seeded permutation per epoch, so a resumed run sees exactly the batch
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -181,6 +182,7 @@ def open_data(cfg: TrainConfig, task: str, *, split: str = "train") -> Rows | No
     if task == CAUSAL and not cfg.prompt_field and cfg.text_field not in table.column_names \
             and MESSAGES_FIELD in table.column_names:
         fields = ChatFields((MESSAGES_FIELD,))
+        check_chat(table, spec)
     else:
         check_fields(table, fields, flag=flag, name=spec, flag_of=_field_flags(fields))
     return Rows(table, fields, spec)
@@ -296,18 +298,68 @@ def chat_tokenizer(tokenizer, template_file: str | None, source: str) -> None:
                         "give one with --chat-template FILE.jinja")
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
+
+
+def check_chat(table, source: str) -> None:
+    """Every conversation is a list of {role, content} messages with text values and a known role; the first
+    row that is not is named (a misspelled 'assistant' would otherwise train on nothing)."""
+    for i, messages in _suspect_conversations(table):
+        problem = _conversation_problem(messages)
+        if problem:
+            raise DataError(f"{source}: example {i + 1}: {problem}")
+
+
+def _suspect_conversations(table) -> Iterator[tuple[int, Any]]:
+    """(row, conversation) of the rows that may be wrong. Where every message has the same text fields, Arrow
+    finds the first such row column by column and only it is read; other shapes (datasets' Json type, for
+    messages with different keys) are read row by row."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    column = table.data.column(MESSAGES_FIELD)
+    item = getattr(column.type, "value_type", None)
+    if not (item is not None and pa.types.is_struct(item) and all(
+            item.get_field_index(key) >= 0 and item.field(key).type in (pa.string(), pa.large_string())
+            for key in ("role", "content"))):
+        for start, batch in enumerate(table.select_columns([MESSAGES_FIELD]).iter(batch_size=1000)):
+            yield from enumerate(batch[MESSAGES_FIELD], start * 1000)
+        return
+    start = 0
+    for chunk in column.chunks:
+        messages = pc.list_flatten(chunk)
+        roles = pc.struct_field(messages, "role")
+        bad = pc.or_(pc.or_(pc.is_null(roles), pc.is_null(pc.struct_field(messages, "content"))),
+                     pc.invert(pc.fill_null(pc.is_in(roles, value_set=pa.array(CHAT_ROLES)), True)))
+        at = pc.index(bad, True).as_py()
+        rows = [r for r in (pc.index(pc.is_null(chunk), True).as_py(),
+                            pc.list_parent_indices(chunk)[at].as_py() if at >= 0 else -1) if r >= 0]
+        if rows:
+            yield start + min(rows), chunk[min(rows)].as_py()
+        start += len(chunk)
+
+
+def _conversation_problem(messages: Any) -> str | None:
+    shape = f"'{MESSAGES_FIELD}' must be a list of {{role, content}} objects with text values"
+    if not isinstance(messages, list):
+        return f"{shape}; got {str(messages)[:60]}"
+    for m in messages:
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            return f"{shape}; got {str(m)[:60]}"
+        if m["role"] not in CHAT_ROLES:
+            near = difflib.get_close_matches(m["role"], CHAT_ROLES, n=1)
+            return (f"unknown chat role {m['role']!r} (" + (f"did you mean {near[0]!r}? " if near else "")
+                    + f"the roles are {', '.join(CHAT_ROLES)}): fix the row's role")
+    return None
+
+
 def render_chat(messages: list[dict[str, str]], tokenizer) -> tuple[list[int], list[int]]:
-    """input_ids of the conversation rendered by the chat template, and labels that are those ids inside the
-    assistant turns and IGNORE_INDEX elsewhere.
+    """input_ids of the conversation (checked by check_chat) rendered by the chat template, and labels that
+    are those ids inside the assistant turns and IGNORE_INDEX elsewhere.
 
     An assistant turn's text is what rendering messages[:k+1] adds to messages[:k] with the generation
     prompt (so its end-of-turn marker is learnt, the role header is not). The rendered text is tokenised
     piece by piece at those boundaries, which chat templates mark with special tokens."""
-    if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                                  and isinstance(m.get("content"), str) for m in messages):
-        raise DataError(f"a '{MESSAGES_FIELD}' row must be a list of {{role, content}} objects with text values; "
-                        f"got {str(messages)[:80]}")
-
     def render(part: list[dict[str, str]], prompt: bool = False) -> str:
         return tokenizer.apply_chat_template(part, tokenize=False, add_generation_prompt=prompt)
 

@@ -179,6 +179,64 @@ def test_chat_data_without_a_template_is_one_line(tmp_path, tiny_gpt_dir):
     assert len(lines) == 1 and "has no chat template: give one with --chat-template FILE" in lines[0], err
 
 
+def _write_chats(tmp_path, conversations) -> str:
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps({"messages": c}) if c is not None else json.dumps({"id": 0}) + "\n"
+                            for c in conversations).replace("}{", "}\n{") + "\n")
+    return str(path)
+
+
+def test_an_unknown_chat_role_is_one_line_naming_the_row(tmp_path, tiny_gpt_dir):
+    """A misspelled 'assistant' would render as a turn of its own, leave nothing to learn and be dropped as
+    if too long; it is refused before the model loads, naming the row and the roles."""
+    typo = [{"role": "user", "content": "Hi"}, {"role": "assitant", "content": "Hello!"}]
+    path = _write_chats(tmp_path, [CONVERSATIONS[0], CONVERSATIONS[1], typo, CONVERSATIONS[1]])
+    with pytest.raises(DataError, match=r"chats.jsonl: example 3: unknown chat role 'assitant' \(did you mean "
+                                        r"'assistant'\? the roles are system, developer, user, assistant, tool"):
+        open_data(_cfg(model="gpt2-tiny", data=path), CAUSAL)
+    _, template = _chat_file(tmp_path)
+    rc, _, err = run_main(["train", "--model", str(tiny_gpt_dir), "--data", path, "--chat-template", str(template),
+                           "--device", "cpu", "--precision", "fp32", "--batch-size", "2", "--max-steps", "1",
+                           "--eval-examples", "0", "--no-progress", "--out", str(tmp_path / "run")])
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == 2 and len(lines) == 1 and "example 3: unknown chat role 'assitant'" in lines[0], err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_malformed_conversation_names_its_row(tmp_path):
+    import datasets
+
+    from fitone.data import check_chat
+
+    no_content = [{"role": "user", "content": "Hi"}, {"role": "assistant"}]
+    cases = [
+        ([CONVERSATIONS[1], no_content], r"example 2: 'messages' must be a list of \{role, content\} objects with "
+                                         r"text values; got \{'role': 'assistant'\}"),
+        ([CONVERSATIONS[1], CONVERSATIONS[0], None], "example 3: 'messages' must be .*; got None"),
+        ([CONVERSATIONS[1], [{"role": "robot", "content": "beep"}]], r"example 2: unknown chat role 'robot' \(the "
+                                                                      "roles are"),
+    ]
+    for conversations, pattern in cases:
+        with pytest.raises(DataError, match=pattern):
+            open_data(_cfg(model="gpt2-tiny", data=_write_chats(tmp_path, conversations)), CAUSAL)
+    (tmp_path / "flat.jsonl").write_text(json.dumps({"messages": ["Hi", "Hello!"]}) + "\n")
+    with pytest.raises(DataError, match=r"flat.jsonl: example 1: 'messages' must be a list of \{role, content\} "
+                                        r"objects with text values; got Hi"):
+        open_data(_cfg(model="gpt2-tiny", data=str(tmp_path / "flat.jsonl")), CAUSAL)
+    # Arrow's column-wise search (one struct type), rows counted across the table's chunks: the first bad
+    # row is the 10th, in the third chunk (the 11th is wrong too)
+    good = datasets.Dataset.from_list([{"messages": CONVERSATIONS[1]}] * 4)
+    bad = datasets.Dataset.from_list([{"messages": CONVERSATIONS[1]}, {"messages": [{"role": "user", "content": None}]},
+                                      {"messages": [{"role": "asistant", "content": "4"}]}])
+    table = datasets.concatenate_datasets([good, good, bad])
+    assert table.data.column("messages").num_chunks == 3
+    with pytest.raises(DataError, match="chunks: example 10: 'messages' must be .*; got {'role': 'user', 'content': "
+                                        "None}"):
+        check_chat(table, "chunks")
+    with pytest.raises(DataError, match="chunks: example 10: unknown chat role 'asistant'"):
+        check_chat(datasets.concatenate_datasets([good, good, bad.select([0, 2]).flatten_indices()]), "chunks")
+
+
 def test_a_messages_file_trains_a_tiny_causal_lm(tmp_path, tiny_gpt_dir):
     import fitone
 
