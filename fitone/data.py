@@ -178,7 +178,7 @@ def open_data(cfg: TrainConfig, task: str, *, split: str = "train") -> Rows | No
     user_eval = split == "eval" and bool(cfg.eval_data)
     flag = "--eval-data" if user_eval else "--data"
     table = open_rows(spec, flag=flag, split=(cfg.eval_split if user_eval else cfg.data_split),
-                      config_name=cfg.data_config, text_fields=fields, use_cache=cfg.cache, progress=cfg.progress)
+                      config_name=cfg.data_config, text_fields=fields, use_cache=cfg.cache, verbose=cfg.verbose)
     if task == CAUSAL and not cfg.prompt_field and cfg.text_field not in table.column_names \
             and MESSAGES_FIELD in table.column_names:
         fields = ChatFields((MESSAGES_FIELD,))
@@ -211,7 +211,7 @@ def tokenize(rows: Rows, task: str, tokenizer, cfg: TrainConfig, *, pack: bool =
     Text is tokenised as the model's tokenizer tokenises it: its own special tokens around each text (the BOS
     a pretrained model always saw), and EOS at the end of what is learnt where the tokenizer adds none itself.
     A prompt takes the tokenizer's start, its text the end: one BOS, at the very start."""
-    from fitone.datasets_io import progress_bars
+    from fitone.datasets_io import datasets_output
 
     if isinstance(rows.fields, ChatFields):
         chat_tokenizer(tokenizer, cfg.chat_template, rows.source)
@@ -250,7 +250,7 @@ def tokenize(rows: Rows, task: str, tokenizer, cfg: TrainConfig, *, pack: bool =
         return out
 
     lengths = (cfg.src_len, cfg.tgt_len) if task == SEQ2SEQ else (cfg.seq_len,)
-    with progress_bars(cfg.progress):
+    with datasets_output(bars=cfg.progress, logs=cfg.verbose):
         table = rows.table.select_columns(list(fields)).map(  # other columns are never read
             encode, batched=True, remove_columns=list(fields), desc="tokenising",
             load_from_cache_file=cfg.cache,

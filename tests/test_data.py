@@ -40,15 +40,48 @@ def test_malformed_jsonl_names_file_and_line(tmp_path, lines, fragment):
         read_rows(f, ("source", "target"))
 
 
+def test_invalid_json_names_its_line_and_column(tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"source": "a", "target": "b"}\n\n{"source": "a\tb", "target": "c"}\n')  # a raw tab, line 3
+    with pytest.raises(DataError) as caught:
+        read_rows(f, ("source", "target"))
+    assert str(caught.value) == (f"{f}:3: not valid JSON at column 14 (Invalid control character); each line must "
+                                 "be one JSON object")
+
+
 def test_missing_and_directory_and_binary(tmp_path):
-    with pytest.raises(DataError, match="does not exist"):
+    with pytest.raises(DataError, match=r"nope.jsonl does not exist: give the path of a .jsonl/.json, .csv or "
+                                        r".parquet file, a glob of them or a save_to_disk directory, 'sample' or "
+                                        r"'synthetic'"):
         read_rows(tmp_path / "nope.jsonl", ("text",))
+    with pytest.raises(DataError, match=r"nope.csv does not exist: give the path of a .jsonl/.json, .csv or .parquet"):
+        read_rows(tmp_path / "nope.csv", ("text",))
     with pytest.raises(DataError, match="is a directory"):
         read_rows(tmp_path, ("text",))
     bad = tmp_path / "bin.jsonl"
     bad.write_bytes(b"\xff\xfe\x00")
     with pytest.raises(DataError, match="UTF-8"):
         read_rows(bad, ("text",))
+
+
+def test_datasets_own_bars_show_only_with_verbose_and_the_tokenising_bar_stays(tmp_path, capfd, monkeypatch):
+    """A quiet run shows fitone's own bar (tokenising) but not datasets' "Generating train split"."""
+    import datasets
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))  # a fresh cache: the conversion runs each time
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf")
+    datasets.enable_progress_bars()
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"source": "a", "target": "b"}\n')
+    load_dataset(_cfg(data=str(f)), SEQ2SEQ, TOK, 384)
+    quiet = capfd.readouterr().err
+    assert "Generating train split" not in quiet and "tokenising" in quiet, quiet
+    f.write_text('{"source": "c", "target": "d"}\n')  # new rows: converted again
+    load_dataset(_cfg(data=str(f), verbose=True), SEQ2SEQ, TOK, 384)
+    assert "Generating train split" in capfd.readouterr().err
+    load_dataset(_cfg(data=str(f), progress=False), SEQ2SEQ, TOK, 384)
+    assert capfd.readouterr().err == ""
+    assert datasets.is_progress_bar_enabled()  # left as it was
 
 
 def test_custom_field_names_and_truncation_count(tmp_path):
