@@ -255,6 +255,25 @@ def test_the_lean_layout_holds_sixteen_bit_gradients_and_nothing_the_size_of_the
         engine.close()
 
 
+def test_gradients_summed_in_another_dtype_keep_deepspeeds_step():
+    """The lean layout holds the gradients in the weights' dtype, the one DeepSpeed sums them in: a
+    --ds-config that has them summed in fp32 (data_types.grad_accum_dtype) takes DeepSpeed's step by
+    default and refuses --pipelined-update in one line, before any engine exists."""
+    from fitone.errors import ConfigError
+    from fitone.zero2.step_mode import DEEPSPEED, PIPELINED, decide
+
+    ds = {"bf16": {"enabled": True}, "optimizer": {"type": "AdamW"},
+          "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    flags = dict(delayed_update=False, delayed_update_after=0, world_size=1, on_gpu=True)
+    fp32_sums = {**ds, "data_types": {"grad_accum_dtype": "fp32"}}
+    bf16_sums = {**ds, "data_types": {"grad_accum_dtype": "bfloat16"}}  # DeepSpeed's name for the weights' dtype
+    assert decide(ds, pipelined_update=None, **flags).name == PIPELINED
+    assert decide(bf16_sums, pipelined_update=None, **flags).name == PIPELINED
+    assert decide(fp32_sums, pipelined_update=None, **flags).name == DEEPSPEED
+    with pytest.raises(ConfigError, match=r"--pipelined-update keeps the gradients .*drop data_types.grad_accum_dtype"):
+        decide(fp32_sums, pipelined_update=True, **flags)
+
+
 def test_another_deepspeed_version_is_refused_in_one_line(monkeypatch):
     import deepspeed
 
