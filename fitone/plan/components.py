@@ -166,11 +166,19 @@ def _gpu_components(st: _Setup, offload: bool, micro_batch: int) -> list[Compone
                            f"{nbuf} x reduce_bucket_size {st.bucket:.2g} ({'overlap_comm' if nbuf == 2 else 'one'}"
                            ", setup_buckets, lines 3266-3278)"))
     largest = s.largest_param
-    if offload:
+    if offload and st.pipelined_update:  # the lean layout (fitone.zero2.layout): the sums go up in chunks
+        from fitone.zero2.layout import CHUNK_ELEMENTS
+
+        comps.append(Component("offload staging", "buffers", w * largest + 8 * largest
+                               + w * min(largest, CHUNK_ELEMENTS),
+                               "largest param: its autograd grad, the fp64 copy its exact norm is taken of at the "
+                               "boundary (set_norm_for_param_grad_in_gpu), one chunk of its sum so far"))
+    elif offload:
         upcast = 4 * largest if w < 4 else 0
         comps.append(Component("offload staging", "buffers", 2 * w * largest + upcast,
                                "largest param: temp_grad_buffer_for_gpu_offload (line 659), its autograd grad"
                                + (", fp32 copy for the CPU (line 1898)" if upcast else "")))
+    if offload:
         if st.pipelined_update and st.on_gpu:
             from fitone.zero2.overlap import UPLOAD_CHUNK
 
@@ -232,19 +240,20 @@ def _host_components(st: _Setup, offload: bool) -> list[Component]:
     if not offload:
         return [Component("model load", "weights", 4 * s.n_params, "fp32 weights on the CPU before they move"),
                 Component("process baseline", "overhead", baseline, "python, torch, CUDA, DeepSpeed")]
-    if st.pipelined_update:  # the lean host layout (fitone.zero2.layout): the arithmetic's 16 B/param, little else
-        from fitone.zero2.layout import GROUP_ELEMENTS
+    if st.pipelined_update:  # the lean host layout (fitone.zero2.layout): the arithmetic's 14 B/param, little else
+        from fitone.zero2.layout import CHUNK_ELEMENTS
 
-        return [
+        comps = [
             Component("fp32 master weights", "weights", 4 * part, "4 B/param, page-locked in place"),
-            Component("fp32 gradients", "gradients", 4 * part,
-                      "4 B/param, page-locked in place; also holds the 16-bit sums between micro-batches"),
+            Component("gradients", "gradients", w * part,
+                      f"{w} B/param in the dtype DeepSpeed sums them in, page-locked in place; also the sums "
+                      "between micro-batches"),
             Component("Adam m and v", "optimizer", 8 * part, "8 B/param, DeepSpeedCPUAdam states"),
-            Component("16-bit weight staging" if w == 2 else "weight staging", "buffers",
-                      w * min(part, GROUP_ELEMENTS) + w * s.largest_param,
-                      "one parameter group's, shared by all groups + largest-param grad buffer"),
-            Component("process baseline", "overhead", baseline, "python, torch, CUDA, DeepSpeed"),
         ]
+        if w < 4:
+            comps.append(Component("fp32 gradient chunk", "buffers", 4 * min(part, CHUNK_ELEMENTS),
+                                   "the gradients widened for Adam one chunk at a time"))
+        return comps + [Component("process baseline", "overhead", baseline, "python, torch, CUDA, DeepSpeed")]
     pin = _pow2 if st.pin_memory else (lambda x: x)
     pinned = " pinned" if st.pin_memory else ""
     master, grads, staging = 4 * part, 4 * part, w * part
