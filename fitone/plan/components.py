@@ -167,12 +167,12 @@ def _gpu_components(st: _Setup, offload: bool, micro_batch: int) -> list[Compone
                            ", setup_buckets, lines 3266-3278)"))
     largest = s.largest_param
     if offload and st.pipelined_update:  # the lean layout (fitone.zero2.layout): the sums go up in chunks
-        from fitone.zero2.layout import CHUNK_ELEMENTS
+        from fitone.zero2.layout import CHUNK_ELEMENTS, NORM_CHUNK_ELEMENTS
 
-        comps.append(Component("offload staging", "buffers", w * largest + 8 * largest
+        comps.append(Component("offload staging", "buffers", w * largest + 8 * min(largest, NORM_CHUNK_ELEMENTS)
                                + w * min(largest, CHUNK_ELEMENTS),
-                               "largest param: its autograd grad, the fp64 copy its exact norm is taken of at the "
-                               "boundary (set_norm_for_param_grad_in_gpu), one chunk of its sum so far"))
+                               "largest param: its autograd grad; one chunk of its fp64 copy for the norm at the "
+                               "boundary and one of its sum so far"))
     elif offload:
         upcast = 4 * largest if w < 4 else 0
         comps.append(Component("offload staging", "buffers", 2 * w * largest + upcast,
