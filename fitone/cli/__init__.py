@@ -92,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _leave_process_group() -> None:
+    if "torch.distributed" not in sys.modules:  # --help and the early refusals import no torch
+        return
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
