@@ -6,6 +6,7 @@ Every case goes through `fitone.cli.main` (what the console script runs); two al
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import child_env, run_main
-from fitone.cli import main
+from fitone.cli import build_parser, main
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -259,7 +260,7 @@ def test_bad_input_through_a_real_process(finished_run, files, tmp_path):
 _HEAVY = ("torch", "deepspeed", "transformers", "datasets")
 _LIGHT_CHILD = f"""
 import json, sys
-from fitone.cli import main
+from fitone.cli import build_parser, main
 try:
     rc = main(sys.argv[1:])
 except SystemExit as exc:
@@ -328,3 +329,19 @@ def test_import_fitone_is_light_and_the_api_loads_on_first_use(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.split() == ["OK", "probe_batch", "Plan", "ProbeResult", "TrainResult", "FitoneError",
                                   "load_recipe"]
+
+
+def _command_parsers() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return {"fitone": parser, **sub.choices}
+
+
+@pytest.mark.parametrize("command", list(_command_parsers()))
+def test_every_option_s_help_gives_its_default_once(command):
+    parser = _command_parsers()[command]
+    for action in parser._actions:
+        if action.help and action.help != argparse.SUPPRESS:
+            assert len(re.findall(r"\(default", action.help)) <= 1, (action.option_strings, action.help)
+    if command == "train":
+        assert "(default: train)" in parser.format_help()  # --data-split's, said once
