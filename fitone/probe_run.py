@@ -102,7 +102,7 @@ def probe_batch(
         from fitone.plan import preflight
 
         preflight(cfg, micro_batch=1, world_size=1, config=config, mode=mode)
-    max_batch = _search_ceiling(cfg, device, max_batch, say, config, mode)
+    max_batch = _search_ceiling(cfg, device, max_batch, say, config, mode, for_training=not standalone)
     if standalone:
         runtime.start()
         if runtime.world_size > 1:
@@ -220,16 +220,19 @@ def save_to_recipe(result: ProbeResult, recipe_path: str | Path) -> Path:
 # ================================================================================================
 
 def _search_ceiling(cfg: TrainConfig, device: str, max_batch: int | None, say: Say, config: Any,
-                    mode: StepMode) -> int:
+                    mode: StepMode, for_training: bool) -> int:
     """The largest size the search may try. A GPU's search ends where memory runs out; on the CPU nothing
-    does, so the caller must set the ceiling, and the plan's host RAM lowers it (beyond, the OOM killer)."""
+    does, so the caller must set the ceiling, and the plan's host RAM lowers it (beyond, the OOM killer).
+    `for_training`: the probe of `train --batch-size auto`, whose advice names train's flags."""
     if device == "cuda":
         return DEFAULT_MAX_BATCH if max_batch is None else max_batch
     if max_batch is None:
+        fix = ("give --batch-size N instead of auto" if for_training else
+               "cap the probe with --max-batch N (probe_batch(max_batch=N)) to time sizes up to N, or train without "
+               "one: `fitone train --batch-size N`")
         raise ConfigError("on the CPU nothing runs out of memory the way a GPU does, so a search for the largest "
                           "micro-batch has no limit to find (it would only stop at 4096, after minutes of CPU "
-                          "steps): train with --batch-size N, or cap the probe with --max-batch N "
-                          "(probe_batch(max_batch=N)) to time sizes up to N")
+                          f"steps): {fix}")
     if cfg.preflight:
         from fitone.plan import host_micro_batch_bound
 

@@ -345,3 +345,24 @@ def test_every_option_s_help_gives_its_default_once(command):
             assert len(re.findall(r"\(default", action.help)) <= 1, (action.option_strings, action.help)
     if command == "train":
         assert "(default: train)" in parser.format_help()  # --data-split's, said once
+
+
+@pytest.mark.parametrize("command,extra", [("train", ["--batch-size", "auto", "--max-steps", "1"]),
+                                           ("probe-batch", [])])
+def test_the_cpu_s_refusal_to_probe_names_only_flags_the_command_has(command, extra):
+    """Advice names the flags of the command that was run; a flag of another command only inside a quoted
+    `fitone OTHER ...` command line, which must parse as that command's."""
+    argv = [command, "--model", "t5-tiny", "--from-scratch", "--device", "cpu", "--precision", "fp32", "--src-len",
+            "8", "--tgt-len", "8", *extra]
+    rc, _out, err = run_main(argv)
+    line = assert_one_line_error(err, r"on the CPU nothing runs out of memory.*--batch-size N")
+    assert rc == 2
+    parsers = _command_parsers()
+
+    def flags_of(name: str) -> set[str]:
+        return {flag for action in parsers[name]._actions for flag in action.option_strings}
+
+    for other, quoted in re.findall(r"`fitone ([a-z-]+)([^`]*)`", line):
+        assert set(re.findall(r"--[a-z][a-z-]*", quoted)) <= flags_of(other), quoted
+    named = set(re.findall(r"--[a-z][a-z-]*", re.sub(r"`fitone [^`]*`", "", line)))
+    assert named and named <= flags_of(command), named - flags_of(command)
