@@ -35,8 +35,10 @@ from fitone.data import Dataset, load_dataset, worst_case_batch
 from fitone.ds_config import build_ds_config
 from fitone.engine import Engine
 from fitone.errors import ConfigError
+from fitone import loss as fused_loss
 from fitone.models import (CAUSAL, build_model, check_seq_len, enable_activation_checkpointing, load_config,
                            load_tokenizer, require_model, task_of)
+from fitone.packing import require_exact_packing
 from fitone.plan import unforeseen_oom
 from fitone.probe import ProbeResult, TrialResult, _check_arguments, search_batch_size
 from fitone.runtime import Runtime, build_runtime
@@ -96,6 +98,8 @@ def probe_batch(
         if config is None:
             config = load_config(cfg.model, from_scratch=cfg.from_scratch)
             check_seq_len(config, cfg.seq_len, cfg.model)
+            if cfg.pack and task_of(config) == CAUSAL:
+                require_exact_packing(config)
         # a probe runs on one GPU: the step these settings take there
         mode = (mode or step_mode.for_config(cfg, world_size=1, on_gpu=runtime.on_gpu)).on_one_gpu()
         device = runtime.device
@@ -297,6 +301,8 @@ class ProbeSession:
         self.model.config.use_cache = False  # as in training (packed rows are only seen without a KV cache)
         if cfg.activation_checkpointing:
             enable_activation_checkpointing(self.model)
+        self.loss_backend = fused_loss.prepare(self.model, device=self.device, precision=cfg.precision,
+                                               enabled=cfg.fused_loss)
         if self.on_model is not None:
             self.on_model(self.model)
         self.n_params = sum(p.numel() for p in self.model.parameters())
@@ -417,7 +423,8 @@ class ProbeSession:
             "worst_case": "longest examples" if self.data is not None else
             "packed rows" if cfg.pack and self.task == CAUSAL else "maximum lengths",
             "precision": cfg.precision, "activation_checkpointing": cfg.activation_checkpointing,
-            "offload": cfg.offload, "update": self.update, "pipelined_update": cfg.pipelined_update,
+            "fused_loss": self.loss_backend, "offload": cfg.offload, "update": self.update,
+            "pipelined_update": cfg.pipelined_update,
             "ds_config": cfg.ds_config,
             "device": self.device, "gpu": memory.gpu_name(),
             "max_gpu_memory": cfg.max_gpu_memory, "gpu_total_bytes": memory.gpu_total_bytes(), "world_size": 1,
@@ -505,6 +512,8 @@ def probe_key(cfg: TrainConfig, config: Any, device: str, mode: StepMode | None 
         "model_config": _digest(json.dumps(values, sort_keys=True, default=str)),
         "precision": cfg.precision, "activation_checkpointing": cfg.activation_checkpointing,
         "offload": cfg.offload, **lengths, "data": _data_key(cfg),
+        "fused_loss": fused_loss.fused_loss_backend(config, device=device, precision=cfg.precision)
+        if cfg.fused_loss else None,
         "ds_config": _digest(Path(cfg.ds_config).read_bytes()) if cfg.ds_config else None,
         "device": device, "gpu": memory.gpu_name(), "max_gpu_memory_bytes": cfg.max_gpu_memory_bytes,
         "expandable_segments": cfg.expandable_segments if device == "cuda" else None,

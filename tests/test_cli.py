@@ -97,7 +97,8 @@ BAD_INPUT = [
     ("non-text field", {"data": "{non_text}"}, r"non_text\.jsonl: example 2: field 'target' must be text, got list"),
     ("fewer examples than a batch", {"data": "{few}"}, r"has 2 examples, fewer than one step's 4.*--batch-size"),
     ("missing eval file", {"eval_data": "{d}/held-out.jsonl", "eval_examples": "8"},
-     r"--eval-data file .*held-out\.jsonl does not exist: give a JSONL path$"),
+     r"--eval-data file .*held-out\.jsonl does not exist: give the path of a \.jsonl/\.json, \.csv or \.parquet file, "
+     r"a glob of them or a save_to_disk directory$"),
     ("malformed eval line", {"eval_data": "{malformed}", "eval_examples": "8"}, r"malformed\.jsonl:3: not valid JSON"),
     ("empty eval file", {"eval_data": "{empty}", "eval_examples": "8"}, r"^fitone: error: --eval-data file .*empty"),
     ("eval file with nothing to score", {"eval_data": "{text}"}, r"--eval-data is scored on --eval-examples .*above 0"),
@@ -243,7 +244,8 @@ def test_bad_input_through_a_real_process(finished_run, files, tmp_path):
     """The console path end to end: exit status 2 and a single line on stderr, no traceback."""
     missing = _subprocess(train_argv(data="missing.jsonl", out=tmp_path / "run"), cwd=tmp_path)
     assert missing.returncode == 2
-    assert_one_line_error(missing.stderr, r"missing\.jsonl does not exist: give a JSONL path")
+    assert_one_line_error(missing.stderr, r"missing\.jsonl does not exist: give the path of a \.jsonl/\.json, \.csv or "
+                                          r"\.parquet file")
     assert not (tmp_path / "run").exists()
 
     out = finished_run[0]
