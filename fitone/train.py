@@ -485,6 +485,8 @@ class Trainer:
             self.engine = None
         self.loaded = None  # the module and its tokenizer: a notebook's next run needs the memory back
         memory.free_memory()
+        if self.runtime is not None:
+            self.runtime.close()
 
     def _say(self, text: str) -> None:
         if self.runtime is None or self.runtime.is_main:
