@@ -126,12 +126,12 @@ def activation_bytes(s: ModelShape, *, precision: str, checkpointing: bool, leng
 
 def fused_loss_fixed_bytes(s: ModelShape, *, precision: str, fused_loss: str | None) -> int:
     """What a fused loss holds whatever the micro-batch: the chunked path's one chunk of logits in backward
-    (16-bit logits, their fp32 copy, the softmax and its 16-bit cast: 12 B each), or Liger's head gradient,
-    made in the forward and kept until the backward hands it on."""
-    if not fused_loss or s.family == "t5" or s.encoder_decoder:
+    (16-bit logits, their fp32 copy, the softmax and its 16-bit cast: 12 B each), or nothing more for Liger:
+    its head gradient, made in the forward and handed on in the loss's backward, is gone before backward
+    reaches the largest parameter, whose autograd gradient (the plan's offload staging) is at least as large
+    (measured: bench/results/2026-12-01-issue27/llama-3.1-8b/)."""
+    if not fused_loss or fused_loss == "liger" or s.family == "t5" or s.encoder_decoder:
         return 0
-    if fused_loss == "liger":
-        return (4 if precision == "fp32" else 2) * s.vocab * s.hidden
     from fitone.loss import CHUNK_ELEMENTS
 
     return 12 * CHUNK_ELEMENTS

@@ -90,6 +90,15 @@ class Plan:
         return sum(c.bytes for c in self.gpu if c.category != "overhead")
 
     @property
+    def host_export(self) -> int:
+        """Host RAM while `final/` is written: the steps' and one export shard, which is all the streamed export
+        holds (fitone.checkpoint.export; measured: bench/results/2026-12-01-issue27/llama-3.1-8b/)."""
+        from fitone.checkpoint import EXPORT_SHARD_SIZE
+        from fitone.units import parse_size
+
+        return self.host_total + int(parse_size(EXPORT_SHARD_SIZE, "shard size"))
+
+    @property
     def host_states(self) -> int:
         """Host bytes of one rank beyond the process baseline: what offloading adds."""
         return sum(c.bytes for c in self.host if c.name != "process baseline")
@@ -195,8 +204,7 @@ def _gpu_components(st: _Setup, offload: bool, micro_batch: int) -> list[Compone
     fixed = fused_loss_fixed_bytes(st.shape, precision=st.precision, fused_loss=st.fused_loss)
     if fixed:
         comps.append(Component("fused loss", "activations", fixed,
-                               "Liger's head gradient, forward to backward" if st.fused_loss == "liger"
-                               else "one chunk of logits in the loss's backward (fitone.loss)"))
+                               "one chunk of logits in the loss's backward (fitone.loss)"))
     if not offload:  # step: fp32 grads of the partition exist once activations are gone (flatten in step())
         backward = sum(c.bytes for c in comps)
         step = backward - comps[-1].bytes + 4 * part
@@ -218,16 +226,22 @@ def _with_overhead(st: _Setup, comps: list[Component]) -> list[Component]:
 
 def _gpu_init_components(st: _Setup, offload: bool) -> list[Component]:
     """The GPU at the engine's init, before any activation: DeepSpeed flattens each parameter group into one
-    buffer beside the group's own tensors (fitone.zero2.layout bounds the groups; measured about two groups
-    over the weights: bench/results/2026-11-30-issue19/), and without offload makes the fp32 master there."""
+    buffer beside the group's own tensors (fitone.zero2.layout bounds the groups), and without offload makes
+    the fp32 master there. Measured over the weights: the largest group and about one more bounded group
+    (llama-7b, groups of up to 2^27 elements: bench/results/2026-12-01-issue19-export-t5/; Llama-3.1-8B, its
+    525M-element embedding alone in a group: bench/results/2026-12-01-issue27/llama-3.1-8b/)."""
     from fitone.zero2 import layout
 
     s, w = st.shape, st.w
     part = math.ceil(s.n_params / st.gpus)
-    group = max(min(s.n_params, layout.GROUP_ELEMENTS), s.largest_param)
+    sizes = [0] * (max(layout.group_of_each(list(s.param_numels)), default=0) + 1)
+    for n, g in zip(s.param_numels, layout.group_of_each(list(s.param_numels))):
+        sizes[g] += n
+    pair = max(sizes) + min(layout.GROUP_ELEMENTS, s.n_params - max(sizes))
     comps = [Component("weights", "weights", w * s.n_params, f"{'fp32' if w == 4 else '16-bit'}, {w} B/param"),
-             Component("group flattening", "buffers", 2 * w * group,
-                       "about two parameter groups' flat copies beside their tensors (flatten_dense_tensors_aligned)")]
+             Component("group flattening", "buffers", w * pair,
+                       "the largest parameter group's flat copy and about one more group's, beside their "
+                       "tensors (flatten_dense_tensors_aligned)")]
     if not offload:
         comps.append(Component("fp32 master", "optimizer", 4 * part, "made on the GPU at init (line 560)"))
     return _with_overhead(st, comps)

@@ -61,7 +61,7 @@ def preflight(cfg: TrainConfig, *, micro_batch: int, world_size: int = 1, config
         fixes.append("a smaller model")
         raise MemoryBudgetError(
             f"host RAM too small: this run needs {_g(need):.1f} GiB ({_g(p.host_states):.1f} GiB of offloaded "
-            f"states per rank + baseline"
+            f"states per rank + baseline + one export shard"
             f"{'' if on_gpu else ' + the model, buckets and activations a CPU run keeps there'}"
             f") but {_g(p.host_available):.1f} GiB is available, {_g(need - p.host_available):.1f} GiB short; "
             f"use {', or '.join(fixes)}"
@@ -114,7 +114,7 @@ def _preflight_plan(cfg: TrainConfig, micro_batch: int, world_size: int, on_gpu:
 
 def _host_need(p: Plan, on_gpu: bool) -> int:
     # on a CPU run the "GPU" side (weights, buckets, activations) lives in host RAM too
-    return p.host_total + (0 if on_gpu else p.gpus * p.gpu_allocated)
+    return p.host_export + (0 if on_gpu else p.gpus * p.gpu_allocated)
 
 
 def _gpu_limit(cfg: TrainConfig, gpu_mem: int | str | None) -> tuple[int | None, str]:

@@ -32,18 +32,27 @@ def param_groups(model: torch.nn.Module, max_elements: int | None = None) -> lis
     """The trainable parameters in declaration order, cut into consecutive groups of at most `max_elements`
     (a larger single tensor gets a group of its own). The optimizer's settings are the same for every
     group, so the arithmetic is the one-group arithmetic, element for element."""
-    max_elements = max_elements or GROUP_ELEMENTS
+    params = [p for p in model.parameters() if p.requires_grad]
     groups: list[list[torch.nn.Parameter]] = []
-    size = 0
-    for p in model.parameters():
-        if not p.requires_grad:
-            continue
-        if not groups or size + p.numel() > max_elements:
+    for p, g in zip(params, group_of_each([p.numel() for p in params], max_elements)):
+        if g == len(groups):
             groups.append([])
+        groups[g].append(p)
+    return [{"params": group} for group in groups]
+
+
+def group_of_each(numels: list[int], max_elements: int | None = None) -> list[int]:
+    """The group param_groups puts each of these tensor sizes in, in order (the plan sizes the init by it)."""
+    max_elements = max_elements or GROUP_ELEMENTS
+    groups, size = [], 0
+    for n in numels:
+        if not groups or size + n > max_elements:
+            groups.append(groups[-1] + 1 if groups else 0)
             size = 0
-        groups[-1].append(p)
-        size += p.numel()
-    return [{"params": params} for params in groups]
+        else:
+            groups.append(groups[-1])
+        size += n
+    return groups
 
 
 def world_size(opt: Any) -> int:
