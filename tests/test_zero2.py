@@ -255,6 +255,35 @@ def test_the_lean_layout_holds_sixteen_bit_gradients_and_nothing_the_size_of_the
         engine.close()
 
 
+def test_a_lean_checkpoint_resumes_on_either_layout_bit_for_bit(tmp_path, monkeypatch):
+    """bf16, two micro-batches a step: saved from the lean layout after 3 steps, resumed into the lean layout
+    (DeepSpeed relinks its per-parameter gradient views after a load: onto the 16-bit buffers here) and into
+    DeepSpeed's own layout: the next 2 steps' losses and the weights are the same, bit for bit."""
+    monkeypatch.setattr(layout, "GROUP_ELEMENTS", SMALL_GROUPS)
+    saved = make_engine("bf16", grad_accum=2, pipelined=True, chunk=SMALL_CHUNKS)
+    try:
+        train(saved, 3, grad_accum=2)
+        saved.save(str(tmp_path), "step-3", {})
+    finally:
+        saved.close()
+    resumed = {}
+    for lean in (True, False):
+        engine = (make_engine("bf16", grad_accum=2, pipelined=True, chunk=SMALL_CHUNKS) if lean
+                  else deepspeeds_layout_pipelined("bf16", grad_accum=2, chunk=SMALL_CHUNKS))
+        try:
+            engine.load(str(tmp_path), "step-3")
+            assert engine.overlap.applied == 3  # the resumed steps are pipelined, as they would have been
+            if lean:
+                views = {v.untyped_storage().data_ptr() for vs in engine.optimizer.offload_gradient_dict.values()
+                         for v in vs}
+                assert views and views <= {g.untyped_storage().data_ptr() for g in engine.host.gradients}
+            torch.manual_seed(1)
+            resumed[lean] = (train(engine, 2, grad_accum=2), weights(engine))
+        finally:
+            engine.close()
+    assert resumed[True][0] == resumed[False][0]
+    assert all(torch.equal(resumed[True][1][k], resumed[False][1][k]) for k in resumed[False][1])
+
 def test_gradients_summed_in_another_dtype_keep_deepspeeds_step():
     """The lean layout holds the gradients in the weights' dtype, the one DeepSpeed sums them in: a
     --ds-config that has them summed in fp32 (data_types.grad_accum_dtype) takes DeepSpeed's step by
