@@ -342,3 +342,35 @@ def test_a_checkpoint_resumes_across_the_one_group_and_the_grouped_layouts(tmp_p
         across = _resume(tmp_path, f"saved-{saved_groups}", other, monkeypatch)
         assert across[0] == same[0]
         assert all(torch.equal(across[1][k], same[1][k]) for k in same[1])
+
+
+def test_a_gradient_larger_than_a_norm_chunk_is_normed_in_pieces_within_fp64_rounding(monkeypatch):
+    """A gradient larger than NORM_CHUNK_ELEMENTS is normed a piece at a time (no fp64 copy of the whole
+    parameter on the GPU): each per-parameter norm within the fp64 rounding of two sums of n squares
+    (2 n eps64 relative), and the total norm, which DeepSpeed rounds to fp32, the same fp32 number here."""
+    monkeypatch.setattr(layout, "GROUP_ELEMENTS", SMALL_GROUPS)
+    norms = {}
+    for pieces in (False, True):
+        if pieces:
+            monkeypatch.setattr(layout, "NORM_CHUNK_ELEMENTS", 1000)
+        engine = make_engine("bf16", grad_accum=2, pipelined=True, chunk=SMALL_CHUNKS)
+        opt, seen = engine.optimizer, {}
+        norm = opt.set_norm_for_param_grad_in_gpu
+
+        def recording(param, norm=norm, opt=opt, seen=seen):  # the step clears them: keep each as it is made
+            norm(param)
+            seen[opt.get_param_id(param)] = float(opt.norm_for_param_grads[opt.get_param_id(param)])
+
+        opt.set_norm_for_param_grad_in_gpu = recording
+        try:
+            train(engine, 2, grad_accum=2)
+            norms[pieces] = (seen, float(opt._global_grad_norm))
+            sizes = {engine.optimizer.get_param_id(p): p.numel() for p in engine.module.parameters()}
+        finally:
+            engine.close()
+    (whole, total_whole), (split, total_split) = norms[False], norms[True]
+    assert any(sizes[k] > 1000 for k in split)  # some parameters were normed in pieces
+    eps64 = torch.finfo(torch.float64).eps
+    for k, v in whole.items():
+        assert abs(split[k] - v) <= 2 * sizes[k] * eps64 * v, (k, split[k], v)
+    assert torch.tensor(total_split, dtype=torch.float32) == torch.tensor(total_whole, dtype=torch.float32)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from fitone import memory
-from fitone.plan.activations import Lengths, activation_bytes
+from fitone.plan.activations import Lengths, activation_bytes, fused_loss_fixed_bytes
 from fitone.plan.shape import ModelShape
 from fitone.units import GIB, gib
 
@@ -144,6 +144,7 @@ class _Setup:
     on_gpu: bool
     delayed_update: bool = False  # a second fp32 gradient buffer (fitone.zero2.overlap)
     pipelined_update: bool = False  # two fp32 upload chunks on the GPU (fitone.zero2.overlap)
+    fused_loss: str | None = None  # causal LMs: the fused LM head + loss's backend (fitone.loss), None: the model's
 
     @property
     def w(self) -> int:
@@ -151,7 +152,8 @@ class _Setup:
 
     def per_sample(self, checkpointing: bool | None = None) -> int:
         ckpt = self.checkpointing if checkpointing is None else checkpointing
-        return activation_bytes(self.shape, precision=self.precision, checkpointing=ckpt, lengths=self.lengths)
+        return activation_bytes(self.shape, precision=self.precision, checkpointing=ckpt, lengths=self.lengths,
+                                fused_loss=self.fused_loss)
 
 
 def _gpu_components(st: _Setup, offload: bool, micro_batch: int) -> list[Component]:
@@ -165,12 +167,12 @@ def _gpu_components(st: _Setup, offload: bool, micro_batch: int) -> list[Compone
                            ", setup_buckets, lines 3266-3278)"))
     largest = s.largest_param
     if offload and st.pipelined_update:  # the lean layout (fitone.zero2.layout): the sums go up in chunks
-        from fitone.zero2.layout import CHUNK_ELEMENTS
+        from fitone.zero2.layout import CHUNK_ELEMENTS, NORM_CHUNK_ELEMENTS
 
-        comps.append(Component("offload staging", "buffers", w * largest + 8 * largest
+        comps.append(Component("offload staging", "buffers", w * largest + 8 * min(largest, NORM_CHUNK_ELEMENTS)
                                + w * min(largest, CHUNK_ELEMENTS),
-                               "largest param: its autograd grad, the fp64 copy its exact norm is taken of at the "
-                               "boundary (set_norm_for_param_grad_in_gpu), one chunk of its sum so far"))
+                               "largest param: its autograd grad; one chunk of its fp64 copy for the norm at the "
+                               "boundary and one of its sum so far"))
     elif offload:
         upcast = 4 * largest if w < 4 else 0
         comps.append(Component("offload staging", "buffers", 2 * w * largest + upcast,
@@ -190,6 +192,11 @@ def _gpu_components(st: _Setup, offload: bool, micro_batch: int) -> list[Compone
         comps.append(Component("largest grad", "buffers", w * largest, "autograd's grad before the bucket copy"))
     comps.append(Component("activations", "activations", st.per_sample() * micro_batch,
                            f"{micro_batch} x {st.per_sample() / 2**20:.1f} MiB"))
+    fixed = fused_loss_fixed_bytes(st.shape, precision=st.precision, fused_loss=st.fused_loss)
+    if fixed:
+        comps.append(Component("fused loss", "activations", fixed,
+                               "Liger's head gradient, forward to backward" if st.fused_loss == "liger"
+                               else "one chunk of logits in the loss's backward (fitone.loss)"))
     if not offload:  # step: fp32 grads of the partition exist once activations are gone (flatten in step())
         backward = sum(c.bytes for c in comps)
         step = backward - comps[-1].bytes + 4 * part

@@ -7,6 +7,7 @@ from typing import Any
 from fitone import memory
 from fitone.config import TrainConfig, resolve_precision
 from fitone.errors import ConfigError, MemoryBudgetError
+from fitone.loss import backend_for
 from fitone.zero2 import step_mode
 from fitone.zero2.step_mode import StepMode
 from fitone.plan.activations import Lengths
@@ -144,6 +145,8 @@ def _make_plan(cfg: TrainConfig, *, gpus: int, gpu_limit: int | None, gpu_limit_
     lengths = Lengths(cfg.src_len, cfg.tgt_len) if shape.encoder_decoder else Lengths(cfg.seq_len, cfg.seq_len)
     if cfg.pack and shape.encoder_decoder:
         raise ConfigError(f"--pack is for causal LMs; {cfg.model} is seq2seq: drop --pack")
+    if cfg.pack and shape.pack_refusal:
+        raise ConfigError(shape.pack_refusal)
     if cfg.pack:  # the lengths above are the worst case of padded batches, and every packed batch's
         notes = [*notes, f"--pack: every batch is full ({cfg.seq_len} tokens per row), so every step takes this memory"]
     auto = cfg.batch_size == "auto"
@@ -158,6 +161,10 @@ def _make_plan(cfg: TrainConfig, *, gpus: int, gpu_limit: int | None, gpu_limit_
                 bucket=int(float(zero.get("reduce_bucket_size", 5e8))), overlap_comm=bool(zero.get("overlap_comm")),
                 pin_memory=bool(offload_cfg.get("pin_memory", False)), on_gpu=on_gpu,
                 delayed_update=cfg.delayed_update,
+                fused_loss=backend_for(shape.model_type, device="cuda" if on_gpu else "cpu", precision=cfg.precision,
+                                       encoder_decoder=shape.encoder_decoder,
+                                       router_loss=bool(getattr(config, "output_router_logits", False)))
+                if cfg.fused_loss else None,
                 pipelined_update=(mode or step_mode.for_config(cfg, world_size=gpus, on_gpu=on_gpu, ds=ds)).name
                 == step_mode.PIPELINED)
 

@@ -23,6 +23,9 @@ import torch
 
 GROUP_ELEMENTS = 2**27  # 256 MiB of 16-bit weights per group: the init peak's extra is about two of these
 CHUNK_ELEMENTS = 32 * 2**20  # the lean layout's unit of work on its gradients: the GPU sums, the fp32 upcast
+# a gradient larger than this is normed in pieces of it (LeanHost._lean_norm): only embeddings of large
+# vocabularies are; every smaller one keeps DeepSpeed's norm bit for bit
+NORM_CHUNK_ELEMENTS = CHUNK_ELEMENTS
 
 
 def param_groups(model: torch.nn.Module, max_elements: int | None = None) -> list[dict[str, Any]]:
@@ -96,6 +99,7 @@ class LeanHost:
         self._accumulate_in_gradient_buffers()
         self._lean_accumulation()
         self._lean_boundary_copy()
+        self._lean_norm()
         optimizer.step = _refuse_deepspeeds_step
         if optimizer.bit16_groups_flat[0].is_cuda:
             for master, grads in zip(optimizer.single_partition_of_fp32_groups, self.gradients):
@@ -222,6 +226,30 @@ class LeanHost:
             opt.clear_grad_attribute(param)
 
         opt.async_inplace_copy_grad_to_fp32_buffer_from_gpu = copy_to_host  # on this optimizer only
+
+    def _lean_norm(self) -> None:
+        """DeepSpeed's norm of each parameter's gradient at the boundary (set_norm_for_param_grad_in_gpu) widens
+        the whole gradient to fp64 first: 8 bytes per element of the largest parameter on the GPU (4 GiB for a
+        128k-vocabulary embedding). A parameter larger than one chunk is normed a chunk at a time instead, in
+        fp64, and the chunks' norms combined in fp64. That rounds differently from one fp64 norm, by about
+        1e-16 relative; DeepSpeed rounds the total to fp32 before it is used (the clip factor, the overflow
+        vote), so the two agree unless the total lies that close to an fp32 rounding midpoint. Parameters of
+        NORM_CHUNK_ELEMENTS or less (every one in the CPU suite) get DeepSpeed's own norm, bit for bit."""
+        from deepspeed.runtime.zero.utils import get_norm_dtype
+
+        opt, chunk, own = self.opt, NORM_CHUNK_ELEMENTS, self.opt.set_norm_for_param_grad_in_gpu
+
+        def norm(param: torch.nn.Parameter) -> None:
+            _, source_offset, _, n = opt.grad_position[opt.get_param_id(param)]
+            if n <= chunk:
+                return own(param)
+            grad = opt.get_param_gradient_attribute(param)
+            grad = (param.grad if grad is None else grad).data.view(-1).narrow(0, source_offset, n)
+            dtype = get_norm_dtype()
+            parts = torch.stack([grad[lo:lo + chunk].to(dtype).norm(2) for lo in range(0, n, chunk)])
+            opt.norm_for_param_grads[opt.get_param_id(param)] = parts.norm(2)
+
+        opt.set_norm_for_param_grad_in_gpu = norm  # shadows the method on this optimizer only
 
     # -- what the update reads ------------------------------------------------------------------------
     def fp32_gradient(self, i: int, lo: int, hi: int) -> torch.Tensor:
