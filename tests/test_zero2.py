@@ -374,3 +374,36 @@ def test_a_gradient_larger_than_a_norm_chunk_is_normed_in_pieces_within_fp64_rou
     for k, v in whole.items():
         assert abs(split[k] - v) <= 2 * sizes[k] * eps64 * v, (k, split[k], v)
     assert torch.tensor(total_split, dtype=torch.float32) == torch.tensor(total_whole, dtype=torch.float32)
+
+
+def test_no_fp64_copy_of_a_gradient_larger_than_a_norm_chunk_is_made(monkeypatch):
+    """What normed in pieces saves: DeepSpeed widens each parameter's whole gradient to fp64 for its norm (8 B
+    an element, on the GPU), the lean layout a piece at a time. bf16, two micro-batches, pieces of 2048
+    elements: every fp64 tensor made in the boundary's backward is at most a piece on the lean layout, and the
+    size of the largest parameter on DeepSpeed's (what the instrument sees there, so it sees those copies)."""
+    monkeypatch.setattr(layout, "GROUP_ELEMENTS", SMALL_GROUPS)
+    monkeypatch.setattr(layout, "NORM_CHUNK_ELEMENTS", SMALL_CHUNKS)
+    widened = []  # elements of every fp64 tensor Tensor.to makes while the instrument is in
+    real_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        out = real_to(self, *args, **kwargs)
+        if out.dtype == torch.float64:
+            widened.append(out.numel())
+        return out
+
+    widest = {}
+    for lean in (False, True):
+        engine = make_engine("bf16", grad_accum=2, lean=lean, chunk=SMALL_CHUNKS)
+        try:
+            engine.backward(engine.forward(fixed_batch(0)))
+            engine.step()  # not a boundary
+            widened.clear()
+            monkeypatch.setattr(torch.Tensor, "to", to)
+            engine.backward(engine.forward(fixed_batch(1)))  # the boundary: the norms are taken here
+            monkeypatch.setattr(torch.Tensor, "to", real_to)
+            widest[lean] = max(widened)
+            largest = max(p.numel() for params in engine.optimizer.bit16_groups for p in params)
+        finally:
+            engine.close()
+    assert widest[False] == largest > 2 * SMALL_CHUNKS and widest[True] <= SMALL_CHUNKS
