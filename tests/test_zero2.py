@@ -255,6 +255,35 @@ def test_the_lean_layout_holds_sixteen_bit_gradients_and_nothing_the_size_of_the
         engine.close()
 
 
+def test_a_lean_checkpoint_resumes_on_either_layout_bit_for_bit(tmp_path, monkeypatch):
+    """bf16, two micro-batches a step: saved from the lean layout after 3 steps, resumed into the lean layout
+    (DeepSpeed relinks its per-parameter gradient views after a load: onto the 16-bit buffers here) and into
+    DeepSpeed's own layout: the next 2 steps' losses and the weights are the same, bit for bit."""
+    monkeypatch.setattr(layout, "GROUP_ELEMENTS", SMALL_GROUPS)
+    saved = make_engine("bf16", grad_accum=2, pipelined=True, chunk=SMALL_CHUNKS)
+    try:
+        train(saved, 3, grad_accum=2)
+        saved.save(str(tmp_path), "step-3", {})
+    finally:
+        saved.close()
+    resumed = {}
+    for lean in (True, False):
+        engine = (make_engine("bf16", grad_accum=2, pipelined=True, chunk=SMALL_CHUNKS) if lean
+                  else deepspeeds_layout_pipelined("bf16", grad_accum=2, chunk=SMALL_CHUNKS))
+        try:
+            engine.load(str(tmp_path), "step-3")
+            assert engine.overlap.applied == 3  # the resumed steps are pipelined, as they would have been
+            if lean:
+                views = {v.untyped_storage().data_ptr() for vs in engine.optimizer.offload_gradient_dict.values()
+                         for v in vs}
+                assert views and views <= {g.untyped_storage().data_ptr() for g in engine.host.gradients}
+            torch.manual_seed(1)
+            resumed[lean] = (train(engine, 2, grad_accum=2), weights(engine))
+        finally:
+            engine.close()
+    assert resumed[True][0] == resumed[False][0]
+    assert all(torch.equal(resumed[True][1][k], resumed[False][1][k]) for k in resumed[False][1])
+
 def test_gradients_summed_in_another_dtype_keep_deepspeeds_step():
     """The lean layout holds the gradients in the weights' dtype, the one DeepSpeed sums them in: a
     --ds-config that has them summed in fp32 (data_types.grad_accum_dtype) takes DeepSpeed's step by
@@ -345,3 +374,36 @@ def test_a_gradient_larger_than_a_norm_chunk_is_normed_in_pieces_within_fp64_rou
     for k, v in whole.items():
         assert abs(split[k] - v) <= 2 * sizes[k] * eps64 * v, (k, split[k], v)
     assert torch.tensor(total_split, dtype=torch.float32) == torch.tensor(total_whole, dtype=torch.float32)
+
+
+def test_no_fp64_copy_of_a_gradient_larger_than_a_norm_chunk_is_made(monkeypatch):
+    """What normed in pieces saves: DeepSpeed widens each parameter's whole gradient to fp64 for its norm (8 B
+    an element, on the GPU), the lean layout a piece at a time. bf16, two micro-batches, pieces of 2048
+    elements: every fp64 tensor made in the boundary's backward is at most a piece on the lean layout, and the
+    size of the largest parameter on DeepSpeed's (what the instrument sees there, so it sees those copies)."""
+    monkeypatch.setattr(layout, "GROUP_ELEMENTS", SMALL_GROUPS)
+    monkeypatch.setattr(layout, "NORM_CHUNK_ELEMENTS", SMALL_CHUNKS)
+    widened = []  # elements of every fp64 tensor Tensor.to makes while the instrument is in
+    real_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        out = real_to(self, *args, **kwargs)
+        if out.dtype == torch.float64:
+            widened.append(out.numel())
+        return out
+
+    widest = {}
+    for lean in (False, True):
+        engine = make_engine("bf16", grad_accum=2, lean=lean, chunk=SMALL_CHUNKS)
+        try:
+            engine.backward(engine.forward(fixed_batch(0)))
+            engine.step()  # not a boundary
+            widened.clear()
+            monkeypatch.setattr(torch.Tensor, "to", to)
+            engine.backward(engine.forward(fixed_batch(1)))  # the boundary: the norms are taken here
+            monkeypatch.setattr(torch.Tensor, "to", real_to)
+            widest[lean] = max(widened)
+            largest = max(p.numel() for params in engine.optimizer.bit16_groups for p in params)
+        finally:
+            engine.close()
+    assert widest[False] == largest > 2 * SMALL_CHUNKS and widest[True] <= SMALL_CHUNKS
