@@ -71,7 +71,7 @@ def test_the_packed_padding_count_is_each_rows_fill_after_its_last_example(tmp_p
     make_longtail_data.main(["--out", str(data), "--examples", "200", "--median-words", "4", "--max-words", "13"])
     setup = {"model": "gpt2-tiny", "seq_len": 64}
     config = load_config("gpt2-tiny", from_scratch=True)
-    tok = load_tokenizer("gpt2-tiny", config)
+    tok = load_tokenizer("gpt2-tiny", config, from_scratch=True)
     examples = load_dataset(TrainConfig(model="gpt2-tiny", from_scratch=True, data=str(data), seq_len=64,
                                         eval_examples=0), CAUSAL, tok, config.vocab_size)
     rows = bench_pack.padding(setup, data, True, 1, 1)["rows"]
