@@ -69,7 +69,7 @@ def check_checkpoint_room(out: Path, *, checkpoint_bytes: int, keep: int, save_e
 
 
 def setup_run_dir(out: Path, *, overwrite: bool, settings: dict[str, Any], report_sinks: list[str],
-                  resume_step: int) -> MetricsLog:
+                  resume_step: int, verbose: bool = False) -> MetricsLog:
     """Create (or, with `overwrite`, replace) the run directory, drop a killed save's leftovers, write
     config.json and open the metrics log; on rank 0 only. check_run_dir has passed."""
     if overwrite and out.exists():
@@ -78,7 +78,7 @@ def setup_run_dir(out: Path, *, overwrite: bool, settings: dict[str, Any], repor
     checkpoint.remove_partial(out)
     (out / "config.json").write_text(json.dumps(settings, indent=2, default=str))
     return MetricsLog(out / "metrics.jsonl", resume_step=resume_step,
-                      sinks=open_sinks(report_sinks, out, settings, resume_step=resume_step))
+                      sinks=open_sinks(report_sinks, out, settings, resume_step=resume_step, verbose=verbose))
 
 
 def is_run_dir(path: Path) -> bool:

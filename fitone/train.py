@@ -301,7 +301,7 @@ class Trainer:
             return out, MetricsLog(None)
         resume_step = self.state["step"] if self.resume_from else 0
         return out, setup_run_dir(out, overwrite=cfg.overwrite, settings=cfg.to_dict(),
-                                  report_sinks=cfg.report_sinks, resume_step=resume_step)
+                                  report_sinks=cfg.report_sinks, resume_step=resume_step, verbose=cfg.verbose)
 
     # -- the loop -------------------------------------------------------------------------------
     def train(self) -> TrainResult:

@@ -158,6 +158,26 @@ def test_wandb_offline_logs_the_same_scalars_as_metrics_jsonl_and_the_config(tmp
     assert config["max_steps"] == 4 and config["lr"] == pytest.approx(3e-3)
 
 
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="wandb is not installed: pip install wandb")
+def test_wandb_says_nothing_of_its_own_in_a_quiet_run_and_everything_with_verbose(tmp_path, monkeypatch, capfd):
+    """Without --verbose a run with --report-to wandb prints fitone's lines only (W&B's ~25: versions, where the
+    run is, its history and summary at the end, go); the run is still recorded. With --verbose they are back."""
+    _no_wandb_login(tmp_path, monkeypatch)
+    monkeypatch.delenv("WANDB_SILENT")  # as a user's shell has it
+    capfd.readouterr()
+    fitone.train(cpu_config(max_steps=2, out=str(tmp_path / "quiet"), report_to="wandb"))
+    out, err = capfd.readouterr()
+    assert [line for line in (out + err).splitlines() if "wandb" in line.lower()] == [
+        f"fitone: W&B runs offline (no W&B API key: WANDB_API_KEY or `wandb login`): sync later with "
+        f"`wandb sync {tmp_path / 'quiet' / 'wandb'}/offline-run-*`"]
+    history, _config, _summary = _wandb_run(tmp_path / "quiet")
+    assert sorted(history) == [1, 2]
+    fitone.train(cpu_config(max_steps=2, out=str(tmp_path / "verbose"), report_to="wandb", verbose=True))
+    out, err = capfd.readouterr()
+    said = [line for line in (out + err).splitlines() if line.startswith("wandb:")]
+    assert len(said) > 10 and any("Run summary" in line for line in said)
+
+
 def test_report_to_needs_a_run_dir_and_a_known_name():
     with pytest.raises(ConfigError, match="writes into the run directory: add --out DIR"):
         cpu_config(report_to="tensorboard")
