@@ -68,6 +68,7 @@ class TrainConfig:
     # memory and precision
     precision: str = "auto"  # fp16 on a GPU, fp32 on the CPU (resolve_precision)
     activation_checkpointing: bool = True
+    fused_loss: bool = True  # causal LMs: the LM head and cross-entropy fused, no [tokens, vocab] logits (fitone.loss)
     offload: str = "cpu"
     delayed_update: bool = False  # one-step delayed parameter update (fitone.zero2.overlap): CPU Adam beside the GPU
     delayed_update_after: int = 20  # plain steps first

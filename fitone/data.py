@@ -9,6 +9,7 @@ Order is a seeded permutation per epoch, so a resumed run sees exactly the batch
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +26,10 @@ SAMPLE_TRAIN = SAMPLE_DIR / "numbers-train.jsonl"
 SAMPLE_EVAL = SAMPLE_DIR / "numbers-eval.jsonl"
 IGNORE_INDEX = -100  # label positions the loss skips (padding)
 SYNTHETIC_SIZE = 1 << 20  # examples; generated on demand from the seed
+# part of the tokenised rows' cache key: a new value whenever the same rows and tokenizer give other tokens
+# (2: the tokenizer's own BOS is kept, issue 26), so rows cached by older code are tokenised again
+TOKENS_FORMAT = 2
+_PROBE = "a"  # a text that any tokenizer splits into ordinary tokens
 
 
 @dataclass
@@ -173,10 +178,11 @@ def open_data(cfg: TrainConfig, task: str, *, split: str = "train") -> Rows | No
     user_eval = split == "eval" and bool(cfg.eval_data)
     flag = "--eval-data" if user_eval else "--data"
     table = open_rows(spec, flag=flag, split=(cfg.eval_split if user_eval else cfg.data_split),
-                      config_name=cfg.data_config, text_fields=fields, use_cache=cfg.cache, progress=cfg.progress)
+                      config_name=cfg.data_config, text_fields=fields, use_cache=cfg.cache, verbose=cfg.verbose)
     if task == CAUSAL and not cfg.prompt_field and cfg.text_field not in table.column_names \
             and MESSAGES_FIELD in table.column_names:
         fields = ChatFields((MESSAGES_FIELD,))
+        check_chat(table, spec)
     else:
         check_fields(table, fields, flag=flag, name=spec, flag_of=_field_flags(fields))
     return Rows(table, fields, spec)
@@ -200,12 +206,18 @@ def load_dataset(cfg: TrainConfig, task: str, tokenizer, vocab_size: int, *, spl
 
 
 def tokenize(rows: Rows, task: str, tokenizer, cfg: TrainConfig, *, pack: bool = False) -> Dataset:
-    """Tokenise every row with datasets' map (a progress bar; cached between runs unless --no-cache)."""
-    from fitone.datasets_io import progress_bars
+    """Tokenise every row with datasets' map (a progress bar; cached between runs unless --no-cache).
+
+    Text is tokenised as the model's tokenizer tokenises it: its own special tokens around each text (the BOS
+    a pretrained model always saw), and EOS at the end of what is learnt where the tokenizer adds none itself.
+    A prompt takes the tokenizer's start, its text the end: one BOS, at the very start."""
+    from fitone.datasets_io import datasets_output
 
     if isinstance(rows.fields, ChatFields):
         chat_tokenizer(tokenizer, cfg.chat_template, rows.source)
+    before, after = special_tokens(tokenizer)
     eos = tokenizer.eos_token_id
+    end = after if eos is None or eos in after else after + [eos]  # so the model learns to stop
     fields = rows.fields
 
     def encode(batch: dict[str, list]) -> dict[str, list]:
@@ -218,13 +230,13 @@ def tokenize(rows: Rows, task: str, tokenizer, cfg: TrainConfig, *, pack: bool =
             out["truncated"].append(cut)
 
         if task == SEQ2SEQ:
-            srcs = tokenizer(batch[fields[0]], add_special_tokens=True)["input_ids"]
-            tgts = tokenizer(batch[fields[1]], add_special_tokens=True)["input_ids"]
+            srcs = tokenizer(batch[fields[0]], add_special_tokens=False)["input_ids"]
+            tgts = tokenizer(batch[fields[1]], add_special_tokens=False)["input_ids"]
             for s, t in zip(srcs, tgts):
-                add(Example(_clip(s, cfg.src_len, eos), _clip(t, cfg.tgt_len, eos)),
-                    len(s) > cfg.src_len or len(t) > cfg.tgt_len)
+                add(Example(_clip(before, s, after, cfg.src_len), _clip(before, t, end, cfg.tgt_len)),
+                    len(before) + len(s) + len(after) > cfg.src_len or len(before) + len(t) + len(end) > cfg.tgt_len)
         elif isinstance(fields, ChatFields):
-            for messages in batch[fields[0]]:
+            for messages in batch[fields[0]]:  # the chat template places BOS and end-of-turn tokens itself
                 ids, labels = render_chat(messages, tokenizer)
                 ids, labels, cut = ids[: cfg.seq_len], labels[: cfg.seq_len], len(ids) > cfg.seq_len
                 if any(y != IGNORE_INDEX for y in labels[1:]):  # else nothing to learn: left out (see `dropped`)
@@ -234,16 +246,16 @@ def tokenize(rows: Rows, task: str, tokenizer, cfg: TrainConfig, *, pack: bool =
             prompts = tokenizer(batch[fields[0]], add_special_tokens=False)["input_ids"] \
                 if len(fields) == 2 else [[] for _ in texts]
             for prompt, text in zip(prompts, texts):
-                add(*_causal_example(list(prompt), list(text) + ([eos] if eos is not None else []), cfg.seq_len))
+                add(*_causal_example(before, list(prompt), list(text) + end, cfg.seq_len))
         return out
 
     lengths = (cfg.src_len, cfg.tgt_len) if task == SEQ2SEQ else (cfg.seq_len,)
-    with progress_bars(cfg.progress):
+    with datasets_output(bars=cfg.progress, logs=cfg.verbose):
         table = rows.table.select_columns(list(fields)).map(  # other columns are never read
             encode, batched=True, remove_columns=list(fields), desc="tokenising",
             load_from_cache_file=cfg.cache,
-            new_fingerprint=_fingerprint(rows.table, tokenizer, "tokenise", task, tuple(fields), lengths,
-                                         type(fields).__name__))
+            new_fingerprint=_fingerprint(rows.table, tokenizer, "tokenise", TOKENS_FORMAT, task, tuple(fields),
+                                         lengths, type(fields).__name__))
         truncated = sum(table["truncated"]) if len(table) else 0
         dropped = len(rows.table) - len(table)
         packed_from = None
@@ -252,6 +264,20 @@ def tokenize(rows: Rows, task: str, tokenizer, cfg: TrainConfig, *, pack: bool =
             table = pack_examples(table, cfg.seq_len, tokenizer.pad_token_id, use_cache=cfg.cache)
     return Dataset(task, ArrowExamples(table), truncated=truncated, source=rows.source, raw=rows,
                    dropped=dropped, packed_from=packed_from)
+
+
+def special_tokens(tokenizer) -> tuple[list[int], list[int]]:
+    """The ids the tokenizer puts before and after any text of its own accord (BOS; T5's EOS), read off a
+    probe text tokenised with and without them."""
+    bare = tokenizer(_PROBE, add_special_tokens=False)["input_ids"]
+    full = tokenizer(_PROBE, add_special_tokens=True)["input_ids"]
+    for i in range(len(full) - len(bare) + 1):
+        if full[i: i + len(bare)] == bare:
+            return full[:i], full[i + len(bare):]
+    # the specials change how the text itself is split: keep the BOS and EOS they add
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    return ([bos] if bos is not None and full[:1] == [bos] != bare[:1] else [],
+            [eos] if eos is not None and full[-1:] == [eos] != bare[-1:] else [])
 
 
 def _fingerprint(table, tokenizer, *parts: Any) -> str:
@@ -272,18 +298,68 @@ def chat_tokenizer(tokenizer, template_file: str | None, source: str) -> None:
                         "give one with --chat-template FILE.jinja")
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
+
+
+def check_chat(table, source: str) -> None:
+    """Every conversation is a list of {role, content} messages with text values and a known role; the first
+    row that is not is named (a misspelled 'assistant' would otherwise train on nothing)."""
+    for i, messages in _suspect_conversations(table):
+        problem = _conversation_problem(messages)
+        if problem:
+            raise DataError(f"{source}: example {i + 1}: {problem}")
+
+
+def _suspect_conversations(table) -> Iterator[tuple[int, Any]]:
+    """(row, conversation) of the rows that may be wrong. Where every message has the same text fields, Arrow
+    finds the first such row column by column and only it is read; other shapes (datasets' Json type, for
+    messages with different keys) are read row by row."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    column = table.data.column(MESSAGES_FIELD)
+    item = getattr(column.type, "value_type", None)
+    if not (item is not None and pa.types.is_struct(item) and all(
+            item.get_field_index(key) >= 0 and item.field(key).type in (pa.string(), pa.large_string())
+            for key in ("role", "content"))):
+        for start, batch in enumerate(table.select_columns([MESSAGES_FIELD]).iter(batch_size=1000)):
+            yield from enumerate(batch[MESSAGES_FIELD], start * 1000)
+        return
+    start = 0
+    for chunk in column.chunks:
+        messages = pc.list_flatten(chunk)
+        roles = pc.struct_field(messages, "role")
+        bad = pc.or_(pc.or_(pc.is_null(roles), pc.is_null(pc.struct_field(messages, "content"))),
+                     pc.invert(pc.fill_null(pc.is_in(roles, value_set=pa.array(CHAT_ROLES)), True)))
+        at = pc.index(bad, True).as_py()
+        rows = [r for r in (pc.index(pc.is_null(chunk), True).as_py(),
+                            pc.list_parent_indices(chunk)[at].as_py() if at >= 0 else -1) if r >= 0]
+        if rows:
+            yield start + min(rows), chunk[min(rows)].as_py()
+        start += len(chunk)
+
+
+def _conversation_problem(messages: Any) -> str | None:
+    shape = f"'{MESSAGES_FIELD}' must be a list of {{role, content}} objects with text values"
+    if not isinstance(messages, list):
+        return f"{shape}; got {str(messages)[:60]}"
+    for m in messages:
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            return f"{shape}; got {str(m)[:60]}"
+        if m["role"] not in CHAT_ROLES:
+            near = difflib.get_close_matches(m["role"], CHAT_ROLES, n=1)
+            return (f"unknown chat role {m['role']!r} (" + (f"did you mean {near[0]!r}? " if near else "")
+                    + f"the roles are {', '.join(CHAT_ROLES)}): fix the row's role")
+    return None
+
+
 def render_chat(messages: list[dict[str, str]], tokenizer) -> tuple[list[int], list[int]]:
-    """input_ids of the conversation rendered by the chat template, and labels that are those ids inside the
-    assistant turns and IGNORE_INDEX elsewhere.
+    """input_ids of the conversation (checked by check_chat) rendered by the chat template, and labels that
+    are those ids inside the assistant turns and IGNORE_INDEX elsewhere.
 
     An assistant turn's text is what rendering messages[:k+1] adds to messages[:k] with the generation
     prompt (so its end-of-turn marker is learnt, the role header is not). The rendered text is tokenised
     piece by piece at those boundaries, which chat templates mark with special tokens."""
-    if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                                  and isinstance(m.get("content"), str) for m in messages):
-        raise DataError(f"a '{MESSAGES_FIELD}' row must be a list of {{role, content}} objects with text values; "
-                        f"got {str(messages)[:80]}")
-
     def render(part: list[dict[str, str]], prompt: bool = False) -> str:
         return tokenizer.apply_chat_template(part, tokenize=False, add_generation_prompt=prompt)
 
@@ -313,7 +389,7 @@ def pack_examples(table, seq_len: int, pad_id: int, *, use_cache: bool = True):
     """Whole examples concatenated, in order, into rows of exactly seq_len tokens.
 
     Each example's position ids restart at 0, which is how transformers finds the examples of a row
-    (varlen flash attention, or a block-diagonal mask for sdpa/eager): no token attends to another
+    (a block-diagonal mask, on the models fitone.packing lists): no token attends to another
     example's. Each example's first label is ignored, as the unpacked loss never predicts a first
     token. The rest of a row, shorter than the next example, is padding: its own block, no labels."""
     def pack(batch: dict[str, list]) -> dict[str, list]:
@@ -344,24 +420,31 @@ def pack_examples(table, seq_len: int, pad_id: int, *, use_cache: bool = True):
                      load_from_cache_file=use_cache, new_fingerprint=_fingerprint(table, None, "pack", seq_len, pad_id))
 
 
-def _causal_example(prompt: list[int], text: list[int], limit: int) -> tuple[Example, bool]:
-    """prompt + text within `limit` tokens, the loss on the text only (prompt labels are IGNORE_INDEX).
+def _causal_example(before: list[int], prompt: list[int], text: list[int], limit: int) -> tuple[Example, bool]:
+    """before (the tokenizer's BOS) + prompt + text within `limit` tokens, the loss on the text only (BOS and
+    prompt labels are IGNORE_INDEX).
 
-    Too long: the text keeps its first tokens (at most limit - 1 when there is a prompt) and the prompt
-    its last ones, next to the text, so every example keeps something to learn from. Returns (example,
-    whether it was cut)."""
-    cut = len(prompt) + len(text) > limit
+    Too long: the BOS stays first, the text keeps its first tokens (at most all but one of the room left when
+    there is a prompt) and the prompt its last ones, next to the text, so every example keeps something to
+    learn from. Returns (example, whether it was cut)."""
+    before = before[: max(0, limit - 1)]  # a text token always fits
+    room = limit - len(before)
+    cut = len(prompt) + len(text) > room
     if cut:
-        text = text[: max(1, limit - 1)] if prompt else text[:limit]
-        prompt = prompt[len(prompt) - (limit - len(text)):] if limit > len(text) else []
-    return Example(prompt + text, [IGNORE_INDEX] * len(prompt) + text), cut
+        text = text[: max(1, room - 1)] if prompt else text[:room]
+        prompt = prompt[len(prompt) - (room - len(text)):] if room > len(text) else []
+    return Example(before + prompt + text, [IGNORE_INDEX] * (len(before) + len(prompt)) + text), cut
 
 
-def _clip(ids: list[int], limit: int, eos: int | None) -> list[int]:
-    """Truncate to `limit`, keeping the end-of-sequence token last so the model still learns to stop."""
-    if len(ids) <= limit:
-        return list(ids)
-    return list(ids[: limit - 1]) + [eos] if eos is not None else list(ids[:limit])
+def _clip(before: list[int], ids: list[int], after: list[int], limit: int) -> list[int]:
+    """before + ids + after within `limit`: too long, the text is cut, keeping the tokenizer's start (BOS) and
+    its end (EOS), so the model still learns to stop."""
+    if len(before) + len(ids) + len(after) <= limit:
+        return before + ids + after
+    ends = before + after
+    if len(ends) >= limit:  # no room for text: keep the end token
+        return ends[-limit:]
+    return before + ids[: limit - len(ends)] + after
 
 
 def collate(examples: Sequence[Example], task: str, pad_id: int) -> dict[str, torch.Tensor]:
@@ -470,7 +553,7 @@ def example_lengths(data: Dataset) -> Sequence[int]:
 
 def _packed_row(vocab_size: int, seq_len: int, seed: int) -> Example:
     """A full packed row of random tokens: examples of a quarter of the row each, so the attention runs the
-    packed path (a block-diagonal mask, or varlen flash attention) that training's rows take."""
+    packed path (a block-diagonal mask) that training's rows take."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, vocab_size, (seq_len,), generator=g).tolist()
     part = max(1, seq_len // 4)

@@ -18,14 +18,16 @@ from pathlib import Path
 from fitone.errors import DataError
 
 BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+KINDS = ".jsonl/.json, .csv or .parquet"  # the files BUILDERS reads, as messages name them
 EVAL_SPLITS = ("validation", "test")  # tried in this order when --eval-data is a hub id or a DatasetDict
 
 
 def open_rows(spec: str, *, flag: str = "--data", split: str | None = "train", config_name: str | None = None,
-              text_fields: Sequence[str] = (), use_cache: bool = True, progress: bool = True):
+              text_fields: Sequence[str] = (), use_cache: bool = True, verbose: bool = False):
     """The rows of `spec` as a `datasets.Dataset` (not read into memory). `split` None: the first of
-    EVAL_SPLITS that exists. `text_fields` are read as text from a CSV (so '007' stays '007')."""
-    with _quiet_datasets(progress):
+    EVAL_SPLITS that exists. `text_fields` are read as text from a CSV (so '007' stays '007'). datasets' own
+    progress bars ("Generating train split") and log lines show only when `verbose`."""
+    with datasets_output(bars=verbose, logs=verbose):
         path = Path(spec).expanduser()
         if any(c in spec for c in "*?["):
             files = sorted(glob.glob(str(path), recursive=True))
@@ -54,13 +56,14 @@ def _load_files(files: list[str], spec: str, flag: str, text_fields: Sequence[st
     unknown = suffixes - BUILDERS.keys()
     if unknown or len({BUILDERS[s] for s in suffixes}) != 1:
         choices = ", 'sample' or 'synthetic'" if flag == "--data" else ""
-        raise DataError(f"{flag} {spec}: give .jsonl/.json, .csv or .parquet files of one kind{choices} "
+        raise DataError(f"{flag} {spec}: give {KINDS} files of one kind{choices} "
                         f"(got {', '.join(sorted(suffixes)) or 'no extension'})")
     for f in files:
         p = Path(f)
         if not p.exists():
             choices = ", 'sample' or 'synthetic'" if flag == "--data" else ""
-            raise DataError(f"{flag} file {f} does not exist: give a JSONL path{choices}")
+            raise DataError(f"{flag} file {f} does not exist: give the path of a {KINDS} file, a glob of them or a "
+                            f"save_to_disk directory{choices}")
         if not os.access(p, os.R_OK):
             raise DataError(f"cannot read {flag} file {f}: permission denied; check its permissions")
     builder = BUILDERS[suffixes.pop()]
@@ -180,8 +183,10 @@ def _explain_json(path: Path, fields: Sequence[str], flag: str) -> None:
 def _check_line(path: Path, lineno: int, line: str, fields: Sequence[str]) -> None:
     try:
         row = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg}); each line must be one JSON object") from exc
+    except json.JSONDecodeError as exc:  # exc.msg drops the position ("Invalid control character at"): say it
+        reason = exc.msg.removesuffix(" at")
+        raise DataError(f"{path}:{lineno}: not valid JSON at column {exc.colno} ({reason}); each line must be one "
+                        "JSON object") from exc
     if not isinstance(row, dict):
         raise DataError(f"{path}:{lineno}: expected a JSON object with fields {', '.join(fields)}")
     for name in fields:
@@ -190,34 +195,21 @@ def _check_line(path: Path, lineno: int, line: str, fields: Sequence[str]) -> No
 
 
 @contextmanager
-def _quiet_datasets(progress: bool) -> Iterator[None]:
-    """datasets logs a failed load at ERROR level before raising: fitone's one line says it instead."""
+def datasets_output(*, bars: bool, logs: bool) -> Iterator[None]:
+    """datasets' progress bars only where `bars`; its log lines (a failed load is logged at ERROR level before
+    it raises, and fitone's one line says it instead) only where `logs`."""
     import datasets
 
     logger = logging.getLogger("datasets")
     level = logger.level
-    logger.setLevel(logging.CRITICAL)
+    if not logs:
+        logger.setLevel(logging.CRITICAL)
     was_on = datasets.is_progress_bar_enabled()
-    if not progress:
+    if not bars:
         datasets.disable_progress_bars()
     try:
         yield
     finally:
         logger.setLevel(level)
-        if was_on:
-            datasets.enable_progress_bars()
-
-
-@contextmanager
-def progress_bars(on: bool) -> Iterator[None]:
-    """datasets' progress bars (tokenising, packing) only when the run shows one."""
-    import datasets
-
-    was_on = datasets.is_progress_bar_enabled()
-    if not on:
-        datasets.disable_progress_bars()
-    try:
-        yield
-    finally:
         if was_on:
             datasets.enable_progress_bars()

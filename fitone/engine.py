@@ -50,7 +50,7 @@ class Engine:
             self.overlap = overlap.DelayedUpdate(self.optimizer, after=delayed_after)
         elif pipelined:
             self.host = layout.LeanHost(self.optimizer)
-            self.overlap = overlap.PipelinedUpdate(self.optimizer, self.ds.module, after=1)
+            self.overlap = overlap.PipelinedUpdate(self.optimizer, self.ds.module, after=1, host=self.host)
         memory.trim_heap()  # the model's host copy, moved to the GPU, would otherwise stay in the RSS
         self.init_s = time.perf_counter() - start
 

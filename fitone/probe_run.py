@@ -36,8 +36,10 @@ from fitone.data import Dataset, load_dataset, worst_case_batch
 from fitone.ds_config import build_ds_config
 from fitone.engine import Engine
 from fitone.errors import ConfigError
+from fitone import loss as fused_loss
 from fitone.models import (CAUSAL, build_model, check_seq_len, enable_activation_checkpointing, load_config,
                            load_tokenizer, require_model, task_of)
+from fitone.packing import require_exact_packing
 from fitone.plan import unforeseen_oom
 from fitone.probe import ProbeResult, TrialResult, _check_arguments, search_batch_size
 from fitone.runtime import Runtime, build_runtime
@@ -93,53 +95,60 @@ def probe_batch(
     if standalone:
         require_model(cfg.model)
         runtime = build_runtime(cfg)
-    if config is None:
-        config = load_config(cfg.model, from_scratch=cfg.from_scratch)
-        check_seq_len(config, cfg.seq_len, cfg.model)
-    # a probe runs on one GPU: the step these settings take there
-    mode = (mode or step_mode.for_config(cfg, world_size=1, on_gpu=runtime.on_gpu)).on_one_gpu()
-    device = runtime.device
-    if cfg.preflight and standalone:  # the plan's refusals from the config alone (training has made them already)
-        from fitone.plan import preflight
+    try:
+        if config is None:
+            config = load_config(cfg.model, from_scratch=cfg.from_scratch)
+            check_seq_len(config, cfg.seq_len, cfg.model)
+            if cfg.pack and task_of(config) == CAUSAL:
+                require_exact_packing(config)
+        # a probe runs on one GPU: the step these settings take there
+        mode = (mode or step_mode.for_config(cfg, world_size=1, on_gpu=runtime.on_gpu)).on_one_gpu()
+        device = runtime.device
+        if cfg.preflight and standalone:  # the plan's refusals from the config alone (training has made them already)
+            from fitone.plan import preflight
 
-        preflight(cfg, micro_batch=1, world_size=1, config=config, mode=mode)
-    max_batch = _search_ceiling(cfg, device, max_batch, say, config, mode)
-    if standalone:
-        runtime.start()
-        if runtime.world_size > 1:
-            raise ConfigError(f"probe-batch runs on one GPU, but this is rank {runtime.rank} of {runtime.world_size}: "
-                              "run `fitone probe-batch` without a launcher, then train with --batch-size N")
-    key = probe_key(cfg, config, device, mode)
-    search = {"max_batch": max_batch, "max_trials": max_trials, "margin": margin, "verify_steps": verify_steps}
-    cached = (read_cached(key, search) or read_cached(capped_key(key), search)) if use_cache else None
-    if cached is not None:
-        capped = f", capped at max_batch={max_batch}" if cached.meta.get("capped") else ""
-        say(f"reusing the probe saved {cached.meta.get('date', '')} in {cached.meta['cache_file']} (same model "
-            f"config, precision, lengths, GPU and cap{capped}; --no-cache measures again)")
-        result = cached
-    else:
-        session = ProbeSession(cfg, config, device, mode=mode, say=say, on_model=on_model)
-        try:
-            result = search_batch_size(session.try_size, cap_bytes=session.cap_bytes, log=say, **search)
-            result.meta.update(session.meta())
-        finally:
-            session.close()
-        result.meta["gpu_allocated_after_close"] = torch.cuda.memory_allocated() if device == "cuda" else None
-        result.meta["search_s"] = result.wall_s
-        result.wall_s = time.perf_counter() - began
-        # no size ran out of memory: the search stopped at its cap, not at the card's limit
-        result.meta["capped"] = all(t.fits for t in result.trials)
-        result.meta["cache_file"] = str(save_cached(capped_key(key) if result.meta["capped"] else key, search,
-                                                    result))
-        use = (f"capped at max_batch={max_batch} without running out of memory, so --batch-size auto will not "
-               "reuse it as the card's limit" if result.meta["capped"] else "for --batch-size auto")
-        say(f"probe done in {result.wall_s:.1f} s (engine init {result.meta['engine_init_s']:.1f} s); "
-            f"saved ({use}) in {result.meta['cache_file']}")
-    if json_path is not None:
-        say(f"wrote {result.save_json(json_path)}")
-    if plot_path is not None:
-        say(f"wrote {result.plot(plot_path)}")
-    return result
+            preflight(cfg, micro_batch=1, world_size=1, config=config, mode=mode)
+        max_batch = _search_ceiling(cfg, device, max_batch, say, config, mode, for_training=not standalone)
+        if standalone:
+            runtime.start()
+            if runtime.world_size > 1:
+                raise ConfigError(f"probe-batch runs on one GPU, but this is rank {runtime.rank} of "
+                                  f"{runtime.world_size}: run `fitone probe-batch` without a launcher, then train "
+                                  "with --batch-size N")
+        key = probe_key(cfg, config, device, mode)
+        search = {"max_batch": max_batch, "max_trials": max_trials, "margin": margin, "verify_steps": verify_steps}
+        cached = (read_cached(key, search) or read_cached(capped_key(key), search)) if use_cache else None
+        if cached is not None:
+            capped = f", capped at max_batch={max_batch}" if cached.meta.get("capped") else ""
+            say(f"reusing the probe saved {cached.meta.get('date', '')} in {cached.meta['cache_file']} (same model "
+                f"config, precision, lengths, GPU and cap{capped}; --no-cache measures again)")
+            result = cached
+        else:
+            session = ProbeSession(cfg, config, device, mode=mode, say=say, on_model=on_model)
+            try:
+                result = search_batch_size(session.try_size, cap_bytes=session.cap_bytes, log=say, **search)
+                result.meta.update(session.meta())
+            finally:
+                session.close()
+            result.meta["gpu_allocated_after_close"] = torch.cuda.memory_allocated() if device == "cuda" else None
+            result.meta["search_s"] = result.wall_s
+            result.wall_s = time.perf_counter() - began
+            # no size ran out of memory: the search stopped at its cap, not at the card's limit
+            result.meta["capped"] = all(t.fits for t in result.trials)
+            result.meta["cache_file"] = str(save_cached(capped_key(key) if result.meta["capped"] else key, search,
+                                                        result))
+            use = (f"capped at max_batch={max_batch} without running out of memory, so --batch-size auto will not "
+                   "reuse it as the card's limit" if result.meta["capped"] else "for --batch-size auto")
+            say(f"probe done in {result.wall_s:.1f} s (engine init {result.meta['engine_init_s']:.1f} s); "
+                f"saved ({use}) in {result.meta['cache_file']}")
+        if json_path is not None:
+            say(f"wrote {result.save_json(json_path)}")
+        if plot_path is not None:
+            say(f"wrote {result.plot(plot_path)}")
+        return result
+    finally:
+        if standalone:  # the process group it started (training closes its own)
+            runtime.close()
 
 
 def batch_size_for_training(cfg: TrainConfig, runtime: Runtime, config: Any, mode: StepMode, say: Say = print) -> int:
@@ -221,16 +230,19 @@ def save_to_recipe(result: ProbeResult, recipe_path: str | Path) -> Path:
 # ================================================================================================
 
 def _search_ceiling(cfg: TrainConfig, device: str, max_batch: int | None, say: Say, config: Any,
-                    mode: StepMode) -> int:
+                    mode: StepMode, for_training: bool) -> int:
     """The largest size the search may try. A GPU's search ends where memory runs out; on the CPU nothing
-    does, so the caller must set the ceiling, and the plan's host RAM lowers it (beyond, the OOM killer)."""
+    does, so the caller must set the ceiling, and the plan's host RAM lowers it (beyond, the OOM killer).
+    `for_training`: the probe of `train --batch-size auto`, whose advice names train's flags."""
     if device == "cuda":
         return DEFAULT_MAX_BATCH if max_batch is None else max_batch
     if max_batch is None:
+        fix = ("give --batch-size N instead of auto" if for_training else
+               "cap the probe with --max-batch N (probe_batch(max_batch=N)) to time sizes up to N, or train without "
+               "one: `fitone train --batch-size N`")
         raise ConfigError("on the CPU nothing runs out of memory the way a GPU does, so a search for the largest "
                           "micro-batch has no limit to find (it would only stop at 4096, after minutes of CPU "
-                          "steps): train with --batch-size N, or cap the probe with --max-batch N "
-                          "(probe_batch(max_batch=N)) to time sizes up to N")
+                          f"steps): {fix}")
     if cfg.preflight:
         from fitone.plan import host_micro_batch_bound
 
@@ -290,6 +302,8 @@ class ProbeSession:
         self.model.config.use_cache = False  # as in training (packed rows are only seen without a KV cache)
         if cfg.activation_checkpointing:
             enable_activation_checkpointing(self.model)
+        self.loss_backend = fused_loss.prepare(self.model, device=self.device, precision=cfg.precision,
+                                               enabled=cfg.fused_loss)
         if self.on_model is not None:
             self.on_model(self.model)
         self.n_params = sum(p.numel() for p in self.model.parameters())
@@ -410,7 +424,8 @@ class ProbeSession:
             "worst_case": "longest examples" if self.data is not None else
             "packed rows" if cfg.pack and self.task == CAUSAL else "maximum lengths",
             "precision": cfg.precision, "activation_checkpointing": cfg.activation_checkpointing,
-            "offload": cfg.offload, "update": self.update, "pipelined_update": cfg.pipelined_update,
+            "fused_loss": self.loss_backend, "offload": cfg.offload, "update": self.update,
+            "pipelined_update": cfg.pipelined_update,
             "ds_config": cfg.ds_config,
             "device": self.device, "gpu": memory.gpu_name(),
             "max_gpu_memory": cfg.max_gpu_memory, "gpu_total_bytes": memory.gpu_total_bytes(), "world_size": 1,
@@ -503,6 +518,8 @@ def probe_key(cfg: TrainConfig, config: Any, device: str, mode: StepMode | None 
         "model_config": _digest(json.dumps(values, sort_keys=True, default=str)),
         "precision": cfg.precision, "activation_checkpointing": cfg.activation_checkpointing,
         "offload": cfg.offload, **lengths, "data": _data_key(cfg),
+        "fused_loss": fused_loss.fused_loss_backend(config, device=device, precision=cfg.precision)
+        if cfg.fused_loss else None,
         "ds_config": _digest(Path(cfg.ds_config).read_bytes()) if cfg.ds_config else None,
         "device": device, "gpu": memory.gpu_name(), "max_gpu_memory_bytes": cfg.max_gpu_memory_bytes,
         # what the allocator runs with: a user's PYTORCH_CUDA_ALLOC_CONF overrides --[no-]expandable-segments

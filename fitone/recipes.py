@@ -46,20 +46,33 @@ class Recipe:
         return self.path.stem  # "24gb", "80gb", "cpu"
 
     @property
+    def batch(self) -> str:
+        """What the file runs: '256 x 1' (micro-batch x accumulation), or 'auto' (probed at the start)."""
+        cfg = self.config()
+        if cfg.batch_size == "auto":
+            return "auto" + (f", global {cfg.global_batch}" if cfg.global_batch else "")
+        try:
+            return f"{cfg.batch_size} x {cfg.accumulation(cfg.batch_size)}"
+        except ConfigError:  # the list still shows it; training it says how to fix it
+            return f"{cfg.batch_size}, global {cfg.global_batch}: not a multiple"
+
+    @property
     def measured(self) -> str | None:
-        """'probed: batch_size 30 on GPU' from a `# probe-batch:` line (`fitone probe-batch --save` wrote it, and
-        the batch size with it), else 'micro-batch 20, 4.5 samples/s' from the header's `# Measured:` line
-        (copied from bench/results/); None when neither holds numbers."""
+        """What the header says was measured, with the micro-batch it ran at (which need not be the file's):
+        'probed: batch_size 30 on GPU' from a `# probe-batch:` line (`fitone probe-batch --save` wrote it, and
+        the batch size with it), else 'at micro-batch 323 (batch_size=auto), 86.3 samples/s' from the header's
+        `# Measured:` line (copied from bench/results/); None when neither holds numbers."""
         probed = self._header_line("probe-batch:")
         size = re.search(r"batch_size (\d+)", probed)
         if size:
             where = re.search(r" on (.+)$", probed)
             return f"probed: batch_size {size.group(1)}" + (f" on {where.group(1)}" if where else "")
         measured = self._header_line("measured:")
-        batch = re.search(r"micro-batch (\d+)", measured)
+        batch = re.search(r"micro-batch (\d+)( x \d+)?", measured)
         speed = re.search(r"([\d.]+) samples/s", measured)
         if batch and speed:
-            return f"micro-batch {batch.group(1)}, {speed.group(1)} samples/s"
+            auto = " (batch_size=auto)" if "batch_size=auto" in measured else ""
+            return f"at micro-batch {batch.group(1)}{batch.group(2) or ''}{auto}, {speed.group(1)} samples/s"
         return None
 
     def _header_line(self, label: str) -> str:

@@ -73,6 +73,7 @@ def plan_dict(p: Plan) -> dict[str, Any]:
         "offload": "cpu" if p.offload else "none", "gpus": p.gpus, "micro_batch": p.micro_batch,
         "lengths": p.lengths, "activation_checkpointing": p.activation_checkpointing,
         "gpu_gib": gib(p.gpu_total, 3), "gpu_allocated_gib": gib(p.gpu_allocated, 3), "host_gib": gib(p.host_total, 3),
+        "host_export_gib": gib(p.host_export, 3),
         "gpu_init_gib": gib(p.gpu_init_total, 3), "gpu_peak_gib": gib(p.gpu_peak, 3),
         "gpu_peak_phase": p.gpu_peak_phase,
         "gpu_limit_gib": None if p.gpu_limit is None else gib(p.gpu_limit, 3),
@@ -117,7 +118,8 @@ def plan_text(p: Plan) -> str:
     if p.gpu_init:
         init = ", ".join(f"{c.name} {gib(c.bytes, 3):.2f}" for c in p.gpu_init)
         lines += [f"GPU at the engine's init: {gib(p.gpu_init_total, 3):.2f} GiB ({init})",
-                  f"GPU peak: the {p.gpu_peak_phase}'s, {gib(p.gpu_peak, 3):.2f} GiB", ""]
+                  f"GPU peak: the {p.gpu_peak_phase}'s, {gib(p.gpu_peak, 3):.2f} GiB",
+                  f"host while exporting final/: {gib(p.host_export, 3):.2f} GiB (one shard beside the steps')", ""]
     act = (f"activations per sample: {p.activation_per_sample_ckpt / 2**20:.1f} MiB with checkpointing, "
            f"{p.activation_per_sample_no_ckpt / 2**20:.1f} MiB without")
     lines.append(act)

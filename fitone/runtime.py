@@ -222,6 +222,7 @@ class Runtime:
     expandable_segments: bool = True
     max_gpu_memory: str | None = None
     started: bool = False
+    owns_group: bool = False  # start() made the process group (not the caller's own init_process_group)
 
     @property
     def rank(self) -> int:
@@ -251,11 +252,22 @@ class Runtime:
         note = share_cpu_threads()
         if self.on_gpu:
             memory.use_expandable_segments(self.expandable_segments)  # before anything is allocated
+        self.owns_group = not torch.distributed.is_initialized()
         self.dist = init_distributed(self.device)
         if self.on_gpu:
             apply_gpu_cap(self.max_gpu_memory)
         self.started = True
         return note
+
+    def close(self) -> None:
+        """Destroy the process group start() made, at the end of a run (also after an error): torch warns
+        at exit about one left alive, and a notebook's next run starts its own. A group the caller made is
+        theirs to keep."""
+        if self.started and self.owns_group and torch.distributed.is_initialized():
+            import deepspeed.comm
+
+            deepspeed.comm.destroy_process_group()  # also drops DeepSpeed's cached groups of it
+        self.started = self.owns_group = False
 
     # the same decisions on every rank (one rank alone would wait in a collective the others never join)
     def agree(self, *flags: bool) -> list[bool]:

@@ -28,10 +28,12 @@ from fitone.ds_config import build_ds_config, read_user_config
 from fitone.engine import Engine, cpu_adam_built
 from fitone.errors import ConfigError, MemoryBudgetError, TrainingAborted
 from fitone.evaluate import HeldOut, score
+from fitone import loss as fused_loss
 from fitone.guards import BadStepStreak, HostMemoryWatch, StopRequest, is_loss_scale_collapse, numerics_advice
 from fitone.metrics import MetricsLog
 from fitone.models import (CAUSAL, SEQ2SEQ, LoadedModel, check_seq_len, enable_activation_checkpointing, load_config,
                            load_model, require_model, task_of)
+from fitone.packing import require_exact_packing
 from fitone.plan import unforeseen_oom
 from fitone.rundir import check_checkpoint_room, check_run_dir, setup_run_dir
 from fitone.runtime import Runtime, build_runtime
@@ -167,6 +169,8 @@ class Trainer:
         cfg = self.cfg
         task = task_of(config)
         check_seq_len(config, cfg.seq_len, cfg.model)
+        if cfg.pack and task == CAUSAL:
+            require_exact_packing(config)
         if cfg.ds_config:
             read_user_config(cfg.ds_config)
         if cfg.batch_size != "auto":
@@ -193,6 +197,11 @@ class Trainer:
         loaded.model.config.use_cache = False  # training needs no KV cache; with one, packed rows go unseen
         if cfg.activation_checkpointing:
             enable_activation_checkpointing(loaded.model)
+        backend = fused_loss.prepare(loaded.model, device=self.runtime.device, precision=cfg.precision,
+                                     enabled=cfg.fused_loss)
+        if backend is not None:
+            self._say(f"loss: the LM head and cross-entropy fused ({fused_loss.DESCRIPTIONS[backend]}), so no "
+                      f"[tokens, vocab] logits are kept; --no-fused-loss for the model's own")
         return loaded
 
     def _setup_data(self, m: LoadedModel, rows: Rows | None) -> Dataset:
@@ -512,6 +521,8 @@ class Trainer:
             self.engine = None
         self.loaded = None  # the module and its tokenizer: a notebook's next run needs the memory back
         memory.free_memory()
+        if self.runtime is not None:
+            self.runtime.close()
 
     def _say(self, text: str) -> None:
         if self.runtime is None or self.runtime.is_main:

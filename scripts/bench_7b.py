@@ -5,7 +5,11 @@ phase it was in), tokens/s, the host bytes per parameter fitone's optimizer hold
     python scripts/bench_7b.py TAG -- train --recipe llama-7b/24gb model=llama-7b from_scratch=true \
         data=synthetic max_steps=21 save_every=20 out=/tmp/run --overwrite
 
-Everything after `--` is fitone's command line, run in this process (fitone.cli.dispatch).
+Everything after `--` is fitone's command line, run in this process (fitone.cli.dispatch). `--loss chunked`
+before `--` keeps the fused loss off Liger-Kernel (to time the two fused paths against each other);
+`--no-export` skips writing final/ (speed comparisons).
+The record carries model, tool, cap_gib, micro_batch, seq_len, grad_accum, tokens_per_s, peak_gpu_gib,
+peak_host_gib and params, so that a run can be checked against a bar.
 """
 
 from __future__ import annotations
@@ -25,6 +29,12 @@ from fitone.units import GIB
 
 def main(argv: list[str]) -> int:
     tag, fitone_args = argv[0], argv[argv.index("--") + 1:]
+    skip_export = "--no-export" in argv[:argv.index("--")]
+    if "--loss" in argv[:argv.index("--")]:
+        from fitone import loss as fitone_loss
+
+        assert argv[argv.index("--loss") + 1] == "chunked"
+        fitone_loss.liger_available = lambda: False
     from fitone import engine as fitone_engine
     import importlib
 
@@ -74,8 +84,13 @@ def main(argv: list[str]) -> int:
 
     def export(self, *a, **k):
         phase[0] = "export"
+        record.update(model=self.cfg.model, tool="fitone", cap_gib=self.cfg.max_gpu_memory,
+                      micro_batch=self.micro_batch,
+                      seq_len=self.cfg.seq_len, grad_accum=self.accum, precision=self.cfg.precision)
         if self.engine.host is not None:
             record["optimizer_host_gib"] = {k: round(v / GIB, 3) for k, v in self.engine.host.host_bytes().items()}
+        if skip_export:  # a speed comparison: the export is measured in the runs that keep it
+            return None
         return plain_export(self, *a, **k)
 
     fitone_engine.Engine.__init__ = init
@@ -112,6 +127,11 @@ def main(argv: list[str]) -> int:
             timed.sort()
             record["median_step_s"] = timed[len(timed) // 2]
             record["samples_per_s_median"] = [r.get("samples_per_s") for r in rows[3:]][len(timed) // 2]
+            if record.get("seq_len"):  # synthetic rows are full --seq-len rows
+                record["tokens_per_s"] = round(len(timed) * record["seq_len"] * record["micro_batch"]
+                                               * record["grad_accum"] / sum(timed), 1)
+    record["peak_gpu_gib"] = max(record.get("peak_gpu_init_gib", 0), record.get("peak_gpu_steps_gib", 0))
+    record["peak_host_gib"] = max(record["peak_host_gib_by_phase"].values(), default=None)
     print("BENCH7B " + json.dumps(record), flush=True)
     dest = Path(os.environ.get("OUT", ".")) / f"bench7b-{tag}.json"
     dest.write_text(json.dumps(record, indent=1))

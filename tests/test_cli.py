@@ -6,6 +6,7 @@ Every case goes through `fitone.cli.main` (what the console script runs); two al
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from conftest import child_env, run_main
-from fitone.cli import main
+from fitone.cli import build_parser, main
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -96,7 +97,8 @@ BAD_INPUT = [
     ("non-text field", {"data": "{non_text}"}, r"non_text\.jsonl: example 2: field 'target' must be text, got list"),
     ("fewer examples than a batch", {"data": "{few}"}, r"has 2 examples, fewer than one step's 4.*--batch-size"),
     ("missing eval file", {"eval_data": "{d}/held-out.jsonl", "eval_examples": "8"},
-     r"--eval-data file .*held-out\.jsonl does not exist: give a JSONL path$"),
+     r"--eval-data file .*held-out\.jsonl does not exist: give the path of a \.jsonl/\.json, \.csv or \.parquet file, "
+     r"a glob of them or a save_to_disk directory$"),
     ("malformed eval line", {"eval_data": "{malformed}", "eval_examples": "8"}, r"malformed\.jsonl:3: not valid JSON"),
     ("empty eval file", {"eval_data": "{empty}", "eval_examples": "8"}, r"^fitone: error: --eval-data file .*empty"),
     ("eval file with nothing to score", {"eval_data": "{text}"}, r"--eval-data is scored on --eval-examples .*above 0"),
@@ -242,7 +244,8 @@ def test_bad_input_through_a_real_process(finished_run, files, tmp_path):
     """The console path end to end: exit status 2 and a single line on stderr, no traceback."""
     missing = _subprocess(train_argv(data="missing.jsonl", out=tmp_path / "run"), cwd=tmp_path)
     assert missing.returncode == 2
-    assert_one_line_error(missing.stderr, r"missing\.jsonl does not exist: give a JSONL path")
+    assert_one_line_error(missing.stderr, r"missing\.jsonl does not exist: give the path of a \.jsonl/\.json, \.csv or "
+                                          r"\.parquet file")
     assert not (tmp_path / "run").exists()
 
     out = finished_run[0]
@@ -251,3 +254,117 @@ def test_bad_input_through_a_real_process(finished_run, files, tmp_path):
     assert existing.returncode == 2
     assert_one_line_error(existing.stderr, r"already holds a run")
     assert tree_digest(out) == before
+
+
+# -- what the CLI says before it imports torch, DeepSpeed or transformers -------------------------
+# A child runs fitone.cli.main as the console script does and prints, last on stderr, its exit code and
+# which of the heavy packages it imported: those take seconds of CPU, and none of these paths needs them.
+_HEAVY = ("torch", "deepspeed", "transformers", "datasets")
+_LIGHT_CHILD = f"""
+import json, sys
+from fitone.cli import build_parser, main
+try:
+    rc = main(sys.argv[1:])
+except SystemExit as exc:
+    rc = exc.code
+print(json.dumps({{"rc": rc, "heavy": sorted(m for m in {_HEAVY!r} if m in sys.modules)}}), file=sys.stderr)
+"""
+
+# (argv, exit code, a pattern the output must match)
+LIGHT_PATHS = [
+    (["--help"], 0, r"usage: fitone"),
+    (["--version"], 0, r"fitone \d"),
+    (["train", "--help"], 0, r"--batch-size"),
+    (["plan", "--help"], 0, r"--gpu-mem"),
+    (["probe-batch", "--help"], 0, r"--max-batch"),
+    (["recipes"], 0, r"t5-3b/24gb"),
+    (["train", "--model", "t5-tiny", "--batch-sise", "4"], 2, r"did you mean --batch-size\?"),
+    (["train", "--src-len", "long"], 2, r"invalid int value: 'long'"),
+    (["train", "--batch-size", "abc"], 2, r"--batch-size must be a positive whole number.*'abc'"),
+    (["plan", "--batch-size", "abc"], 2, r"--batch-size must be a positive whole number.*'abc'"),
+    (["train", "--recipe", "t5-3b/24g"], 2, r"no recipe named 't5-3b/24g': did you mean 't5-3b/24gb'"),
+    (["train", "--recipe", "t5-3b/24gb", "bach_size=4"], 2, r"unknown key 'bach_size'.*did you mean 'batch_size'"),
+    (["probe-batch", "--recipe", "t5-3b/24gb", "bach_size=4"], 2, r"unknown key 'bach_size'"),
+    (["train", "--model", "t5-tiny", "--max-gpu-memory", "24XB"], 2, r"cannot read --max-gpu-memory '24XB'"),
+]
+
+
+@pytest.mark.parametrize("argv,code,pattern", LIGHT_PATHS, ids=[" ".join(c[0]) for c in LIGHT_PATHS])
+def test_help_and_refusals_that_need_no_model_import_no_torch(argv, code, pattern, tmp_path):
+    run = subprocess.run([sys.executable, "-c", _LIGHT_CHILD, *argv], cwd=tmp_path, env=child_env(),
+                         capture_output=True, text=True, timeout=120)
+    *said, last = run.stderr.strip().splitlines()
+    report = json.loads(last)
+    assert report == {"rc": code, "heavy": []}, run.stderr
+    assert re.search(pattern, run.stdout + "\n".join(said)), run.stdout + run.stderr
+    assert "Traceback" not in run.stderr
+
+
+def test_python_m_fitone_help_imports_no_torch(tmp_path):
+    """The `python -m fitone` entry (fitone/__main__.py) too, seen in the interpreter's own import log."""
+    run = subprocess.run([sys.executable, "-X", "importtime", "-m", "fitone", "train", "--help"], cwd=tmp_path,
+                         env=child_env(), capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "--batch-size" in run.stdout, run.stderr[-2000:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in run.stderr.splitlines() if line.startswith("import time:")}
+    assert "fitone.cli.options" in imported  # the log is this command's (importlib's own imports go unlogged)
+    assert not {m for m in imported if m.split(".")[0] in _HEAVY}
+
+
+_API_CHILD = """
+import sys
+import fitone
+assert not [m for m in ("torch", "deepspeed", "transformers") if m in sys.modules], "import fitone imported them"
+from fitone.train import Trainer  # a submodule named like the function, loaded first
+from fitone.plan import preflight
+from fitone import TrainConfig, plan, train
+assert fitone.train is train and fitone.train.__module__ == "fitone.train" and callable(fitone.plan)
+assert plan.__name__ == "plan" and fitone.TrainConfig is TrainConfig
+assert set(fitone.__all__) <= set(dir(fitone))
+print("OK", fitone.probe_batch.__name__, fitone.Plan.__name__, fitone.ProbeResult.__name__,
+      fitone.TrainResult.__name__, fitone.FitoneError.__name__, fitone.load_recipe.__name__)
+"""
+
+
+def test_import_fitone_is_light_and_the_api_loads_on_first_use(tmp_path):
+    run = subprocess.run([sys.executable, "-c", _API_CHILD], cwd=tmp_path, env=child_env(), capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["OK", "probe_batch", "Plan", "ProbeResult", "TrainResult", "FitoneError",
+                                  "load_recipe"]
+
+
+def _command_parsers() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return {"fitone": parser, **sub.choices}
+
+
+@pytest.mark.parametrize("command", list(_command_parsers()))
+def test_every_option_s_help_gives_its_default_once(command):
+    parser = _command_parsers()[command]
+    for action in parser._actions:
+        if action.help and action.help != argparse.SUPPRESS:
+            assert len(re.findall(r"\(default", action.help)) <= 1, (action.option_strings, action.help)
+    if command == "train":
+        assert "(default: train)" in parser.format_help()  # --data-split's, said once
+
+
+@pytest.mark.parametrize("command,extra", [("train", ["--batch-size", "auto", "--max-steps", "1"]),
+                                           ("probe-batch", [])])
+def test_the_cpu_s_refusal_to_probe_names_only_flags_the_command_has(command, extra):
+    """Advice names the flags of the command that was run; a flag of another command only inside a quoted
+    `fitone OTHER ...` command line, which must parse as that command's."""
+    argv = [command, "--model", "t5-tiny", "--from-scratch", "--device", "cpu", "--precision", "fp32", "--src-len",
+            "8", "--tgt-len", "8", *extra]
+    rc, _out, err = run_main(argv)
+    line = assert_one_line_error(err, r"on the CPU nothing runs out of memory.*--batch-size N")
+    assert rc == 2
+    parsers = _command_parsers()
+
+    def flags_of(name: str) -> set[str]:
+        return {flag for action in parsers[name]._actions for flag in action.option_strings}
+
+    for other, quoted in re.findall(r"`fitone ([a-z-]+)([^`]*)`", line):
+        assert set(re.findall(r"--[a-z][a-z-]*", quoted)) <= flags_of(other), quoted
+    named = set(re.findall(r"--[a-z][a-z-]*", re.sub(r"`fitone [^`]*`", "", line)))
+    assert named and named <= flags_of(command), named - flags_of(command)

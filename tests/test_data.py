@@ -3,10 +3,11 @@
 import json
 
 import pytest
+import torch
 from transformers import ByT5Tokenizer
 
 from fitone.config import TrainConfig
-from fitone.data import IGNORE_INDEX, batches, collate, load_dataset, open_data, worst_case_batch
+from fitone.data import SAMPLE_EVAL, IGNORE_INDEX, batches, collate, load_dataset, open_data, worst_case_batch
 from fitone.errors import ConfigError, DataError
 from fitone.models import CAUSAL, SEQ2SEQ
 
@@ -40,15 +41,48 @@ def test_malformed_jsonl_names_file_and_line(tmp_path, lines, fragment):
         read_rows(f, ("source", "target"))
 
 
+def test_invalid_json_names_its_line_and_column(tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"source": "a", "target": "b"}\n\n{"source": "a\tb", "target": "c"}\n')  # a raw tab, line 3
+    with pytest.raises(DataError) as caught:
+        read_rows(f, ("source", "target"))
+    assert str(caught.value) == (f"{f}:3: not valid JSON at column 14 (Invalid control character); each line must "
+                                 "be one JSON object")
+
+
 def test_missing_and_directory_and_binary(tmp_path):
-    with pytest.raises(DataError, match="does not exist"):
+    with pytest.raises(DataError, match=r"nope.jsonl does not exist: give the path of a .jsonl/.json, .csv or "
+                                        r".parquet file, a glob of them or a save_to_disk directory, 'sample' or "
+                                        r"'synthetic'"):
         read_rows(tmp_path / "nope.jsonl", ("text",))
+    with pytest.raises(DataError, match=r"nope.csv does not exist: give the path of a .jsonl/.json, .csv or .parquet"):
+        read_rows(tmp_path / "nope.csv", ("text",))
     with pytest.raises(DataError, match="is a directory"):
         read_rows(tmp_path, ("text",))
     bad = tmp_path / "bin.jsonl"
     bad.write_bytes(b"\xff\xfe\x00")
     with pytest.raises(DataError, match="UTF-8"):
         read_rows(bad, ("text",))
+
+
+def test_datasets_own_bars_show_only_with_verbose_and_the_tokenising_bar_stays(tmp_path, capfd, monkeypatch):
+    """A quiet run shows fitone's own bar (tokenising) but not datasets' "Generating train split"."""
+    import datasets
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf"))  # a fresh cache: the conversion runs each time
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf")
+    datasets.enable_progress_bars()
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"source": "a", "target": "b"}\n')
+    load_dataset(_cfg(data=str(f)), SEQ2SEQ, TOK, 384)
+    quiet = capfd.readouterr().err
+    assert "Generating train split" not in quiet and "tokenising" in quiet, quiet
+    f.write_text('{"source": "c", "target": "d"}\n')  # new rows: converted again
+    load_dataset(_cfg(data=str(f), verbose=True), SEQ2SEQ, TOK, 384)
+    assert "Generating train split" in capfd.readouterr().err
+    load_dataset(_cfg(data=str(f), progress=False), SEQ2SEQ, TOK, 384)
+    assert capfd.readouterr().err == ""
+    assert datasets.is_progress_bar_enabled()  # left as it was
 
 
 def test_custom_field_names_and_truncation_count(tmp_path):
@@ -67,6 +101,46 @@ def test_sample_task_has_train_and_held_out_splits():
     assert not {r["source"] for r in train.raw} & {r["source"] for r in held.raw}
     with pytest.raises(ConfigError, match="seq2seq"):
         load_dataset(_cfg(), CAUSAL, TOK, 384)
+
+
+def test_the_held_out_examples_are_the_eval_splits_first_n_in_order(tmp_path):
+    """As the README says: --eval-data's validation split, else its test split, scored on its first
+    --eval-examples examples in the data's own order."""
+    import datasets
+
+    from fitone.data import Dataset
+    from fitone.evaluate import HeldOut, evaluate
+    from fitone.models import build_model, load_config
+
+    def rows(split, n=6):
+        return [{"source": f"{split} {i}", "target": str(i)} for i in range(n)]
+
+    splits = {"train": rows("train", 8), "test": rows("test"), "validation": rows("validation")}
+    for name, keep in (("both", ("train", "test", "validation")), ("test-only", ("train", "test"))):
+        datasets.DatasetDict({k: datasets.Dataset.from_list(splits[k]) for k in keep}).save_to_disk(tmp_path / name)
+    (tmp_path / "dev.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows("file")))
+    for spec, split in ((tmp_path / "both", "validation"), (tmp_path / "test-only", "test"),
+                        (tmp_path / "dev.jsonl", "file")):
+        held = load_dataset(_cfg(data="sample", eval_data=str(spec)), SEQ2SEQ, TOK, 384, split="eval")
+        assert [r["source"] for r in held.raw] == [f"{split} {i}" for i in range(6)]
+        assert [e.input_ids for e in held.examples] == [TOK(r["source"]).input_ids for r in held.raw]
+    sample = load_dataset(_cfg(), SEQ2SEQ, TOK, 384, split="eval")
+    first = [json.loads(line) for line in SAMPLE_EVAL.read_text().splitlines()[:3]]
+    assert [dict(r) for r in sample.raw[:3]] == first
+
+    # scoring reads the first N (here in chunks of 3 and 1), not any other N
+    torch.manual_seed(0)
+    model = build_model(load_config("t5-tiny", from_scratch=True)).eval()
+    cpu = torch.device("cpu")
+
+    def score(data, n):
+        return evaluate(model, TOK, HeldOut(data, examples=n, answer_field="target", batch=3, pad_id=0, tgt_len=6),
+                        cpu)
+
+    examples, raw = list(held.examples), list(held.raw)
+    scored = score(held, 4)
+    assert scored == score(Dataset(SEQ2SEQ, examples[:4], raw=raw[:4]), 4)
+    assert scored["eval_loss"] != score(Dataset(SEQ2SEQ, examples[2:6], raw=raw[2:6]), 4)["eval_loss"]
 
 
 def test_collate_pads_dynamically_and_masks_labels():

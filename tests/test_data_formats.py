@@ -169,6 +169,36 @@ def test_chat_labels_are_the_assistant_turns_token_by_token(tmp_path):
     assert data.truncated == 0 and data.dropped == 0
 
 
+@pytest.mark.parametrize("bos", [True, False])
+def test_the_labels_are_exactly_the_assistant_turns_tokens_of_a_bpe_tokenizer(tmp_path, bos):
+    """A user's BPE tokenizer (tests/user_models.py) with ChatML's markers as special tokens: the batch training
+    sees takes the loss on exactly each assistant reply and its end-of-turn marker, never on a role header, a
+    user or system turn or the BOS, and the conversation's tokens are the tokenizer's own for the whole text."""
+    from user_models import tokenizer
+
+    tok = tokenizer(tmp_path / "tok", bos=bos)
+    tok.add_tokens(["<|im_start|>", "<|im_end|>"], special_tokens=True)
+    template = tmp_path / "chatml-bos.jinja"
+    template.write_text("{% if bos_token %}{{ bos_token }}{% endif %}" + CHATML)
+    path, _ = _chat_file(tmp_path, n=2)
+    data = load_dataset(_cfg(model="gpt2-tiny", data=str(path), chat_template=str(template), seq_len=512), CAUSAL,
+                        tok, len(tok))
+    batch = collate(list(data.examples), CAUSAL, pad_id=tok.pad_token_id)
+    for row, (example, messages) in enumerate(zip(data.examples, CONVERSATIONS, strict=True)):
+        ids, learnt = ([tok.bos_token_id], [False]) if bos else ([], [])
+        for m in messages:
+            header = tok(f"<|im_start|>{m['role']}\n", add_special_tokens=False)["input_ids"]
+            body = tok(f"{m['content']}<|im_end|>\n", add_special_tokens=False)["input_ids"]
+            ids, learnt = ids + header + body, learnt + [False] * len(header) + [m["role"] == "assistant"] * len(body)
+        rendered = tok.apply_chat_template(messages, tokenize=False)
+        assert example.input_ids == ids == tok(rendered, add_special_tokens=False)["input_ids"]
+        n = len(ids)
+        assert batch["labels"][row, :n].tolist() == [t if on else IGNORE_INDEX for t, on in zip(ids, learnt)]
+        assert (batch["labels"][row, n:] == IGNORE_INDEX).all()  # padding
+        replies = "".join(f"{m['content']}<|im_end|>\n" for m in messages if m["role"] == "assistant")
+        assert tok.decode([t for t, on in zip(ids, learnt) if on]) == replies
+
+
 def test_chat_data_without_a_template_is_one_line(tmp_path, tiny_gpt_dir):
     path, _ = _chat_file(tmp_path, n=8)
     rc, _, err = run_main(["train", "--model", str(tiny_gpt_dir), "--data", str(path), "--device", "cpu",
@@ -177,6 +207,64 @@ def test_chat_data_without_a_template_is_one_line(tmp_path, tiny_gpt_dir):
     assert rc == 2
     lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1 and "has no chat template: give one with --chat-template FILE" in lines[0], err
+
+
+def _write_chats(tmp_path, conversations) -> str:
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps({"messages": c}) if c is not None else json.dumps({"id": 0}) + "\n"
+                            for c in conversations).replace("}{", "}\n{") + "\n")
+    return str(path)
+
+
+def test_an_unknown_chat_role_is_one_line_naming_the_row(tmp_path, tiny_gpt_dir):
+    """A misspelled 'assistant' would render as a turn of its own, leave nothing to learn and be dropped as
+    if too long; it is refused before the model loads, naming the row and the roles."""
+    typo = [{"role": "user", "content": "Hi"}, {"role": "assitant", "content": "Hello!"}]
+    path = _write_chats(tmp_path, [CONVERSATIONS[0], CONVERSATIONS[1], typo, CONVERSATIONS[1]])
+    with pytest.raises(DataError, match=r"chats.jsonl: example 3: unknown chat role 'assitant' \(did you mean "
+                                        r"'assistant'\? the roles are system, developer, user, assistant, tool"):
+        open_data(_cfg(model="gpt2-tiny", data=path), CAUSAL)
+    _, template = _chat_file(tmp_path)
+    rc, _, err = run_main(["train", "--model", str(tiny_gpt_dir), "--data", path, "--chat-template", str(template),
+                           "--device", "cpu", "--precision", "fp32", "--batch-size", "2", "--max-steps", "1",
+                           "--eval-examples", "0", "--no-progress", "--out", str(tmp_path / "run")])
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert rc == 2 and len(lines) == 1 and "example 3: unknown chat role 'assitant'" in lines[0], err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_malformed_conversation_names_its_row(tmp_path):
+    import datasets
+
+    from fitone.data import check_chat
+
+    no_content = [{"role": "user", "content": "Hi"}, {"role": "assistant"}]
+    cases = [
+        ([CONVERSATIONS[1], no_content], r"example 2: 'messages' must be a list of \{role, content\} objects with "
+                                         r"text values; got \{'role': 'assistant'\}"),
+        ([CONVERSATIONS[1], CONVERSATIONS[0], None], "example 3: 'messages' must be .*; got None"),
+        ([CONVERSATIONS[1], [{"role": "robot", "content": "beep"}]], r"example 2: unknown chat role 'robot' \(the "
+                                                                      "roles are"),
+    ]
+    for conversations, pattern in cases:
+        with pytest.raises(DataError, match=pattern):
+            open_data(_cfg(model="gpt2-tiny", data=_write_chats(tmp_path, conversations)), CAUSAL)
+    (tmp_path / "flat.jsonl").write_text(json.dumps({"messages": ["Hi", "Hello!"]}) + "\n")
+    with pytest.raises(DataError, match=r"flat.jsonl: example 1: 'messages' must be a list of \{role, content\} "
+                                        r"objects with text values; got Hi"):
+        open_data(_cfg(model="gpt2-tiny", data=str(tmp_path / "flat.jsonl")), CAUSAL)
+    # Arrow's column-wise search (one struct type), rows counted across the table's chunks: the first bad
+    # row is the 10th, in the third chunk (the 11th is wrong too)
+    good = datasets.Dataset.from_list([{"messages": CONVERSATIONS[1]}] * 4)
+    bad = datasets.Dataset.from_list([{"messages": CONVERSATIONS[1]}, {"messages": [{"role": "user", "content": None}]},
+                                      {"messages": [{"role": "asistant", "content": "4"}]}])
+    table = datasets.concatenate_datasets([good, good, bad])
+    assert table.data.column("messages").num_chunks == 3
+    with pytest.raises(DataError, match="chunks: example 10: 'messages' must be .*; got {'role': 'user', 'content': "
+                                        "None}"):
+        check_chat(table, "chunks")
+    with pytest.raises(DataError, match="chunks: example 10: unknown chat role 'asistant'"):
+        check_chat(datasets.concatenate_datasets([good, good, bad.select([0, 2]).flatten_indices()]), "chunks")
 
 
 def test_a_messages_file_trains_a_tiny_causal_lm(tmp_path, tiny_gpt_dir):
@@ -245,6 +333,40 @@ def test_pack_fills_rows_with_whole_examples_and_keeps_every_label(tmp_path):
     assert sum(sum(y != IGNORE_INDEX for y in r.labels) for r in rows) == learnt
     with pytest.raises(ConfigError, match="--pack is for causal LMs"):
         open_data(_cfg(data=str(path), pack=True), SEQ2SEQ)
+
+
+@pytest.mark.parametrize("bos", [True, False])
+def test_packed_position_ids_restart_at_each_example_and_no_label_crosses_one(tmp_path, bos):
+    """Prompt + text rows (some with an empty prompt) of a user's BPE tokenizer, packed: cut at each position
+    id 0, a row is its examples whole and in order (each with its BOS), then padding; positions count 0, 1,
+    2... within each; an example's labels are its own (its prompt ignored), and the first of each is ignored,
+    since predicting it would read the example before it."""
+    from user_models import tokenizer
+
+    tok = tokenizer(tmp_path / "tok", bos=bos)
+    path = tmp_path / "sft.jsonl"
+    rows = [{"q": "question: nine" * (i % 3), "a": "hello world " * (1 + i % 4)} for i in range(30)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg = _cfg(model="gpt2-tiny", data=str(path), prompt_field="q", text_field="a", seq_len=48)
+    plain = [(e.input_ids, e.labels) for e in load_dataset(cfg, CAUSAL, tok, len(tok)).examples]
+    packed = load_dataset(cfg.replace(pack=True), CAUSAL, tok, len(tok))
+    batch = collate(list(packed.examples), CAUSAL, pad_id=tok.pad_token_id)
+    seen = []
+    for ids, labels, pos in zip(batch["input_ids"].tolist(), batch["labels"].tolist(),
+                                batch["position_ids"].tolist()):
+        starts = [i for i, p in enumerate(pos) if p == 0] + [len(pos)]
+        for a, b in zip(starts, starts[1:]):
+            assert pos[a:b] == list(range(b - a))
+            assert labels[a] == IGNORE_INDEX  # no label is predicted across a boundary
+            seen.append((ids[a:b], labels[a:b]))
+    assert len(packed) < len(plain)  # rows hold several examples
+    examples, pads = [], []
+    for piece in seen:  # a row's padding is the last piece of its row
+        (pads if piece[0][0] == tok.pad_token_id else examples).append(piece)
+    assert [ids for ids, _ in examples] == [ids for ids, _ in plain]
+    assert all(ids[0] == tok.bos_token_id for ids, _ in examples) == bos
+    assert [labels for _, labels in examples] == [[IGNORE_INDEX] + labels[1:] for _, labels in plain]
+    assert all(set(labels) == {IGNORE_INDEX} for _, labels in pads)
 
 
 def test_the_probes_packed_worst_case_batch_is_full_and_packed():

@@ -190,10 +190,13 @@ def test_the_delayed_update_needs_the_cpu_optimizer():
 
 # -- the pipelined update ---------------------------------------------------------------------------
 def make_pipelined(chunk_elements: int, precision: str = "fp32") -> Engine:
+    """The engine's own pipelined update on its lean host layout, its Adam and uploads in smaller chunks."""
     from fitone.zero2.overlap import PipelinedUpdate
 
-    engine = make_engine(None, precision)
-    engine.overlap = PipelinedUpdate(engine.optimizer, engine.module, after=1, chunk_elements=chunk_elements)
+    engine = tiny_engine(precision, pipelined=True)
+    engine.overlap.close()
+    engine.overlap = PipelinedUpdate(engine.optimizer, engine.module, after=1, chunk_elements=chunk_elements,
+                                     host=engine.host)
     return engine
 
 
@@ -225,7 +228,8 @@ def test_the_pipelined_update_is_deepspeeds_update_while_the_next_forward_runs()
     finally:
         engine.close()
     assert stale == []  # every forward read its weights after their update (no pre-hooks: most do not)
-    # steps 1 and 2 run on the same weights (step 1 is DeepSpeed's own step); from step 3 on, a forward sees
+    # steps 1 and 2 run on the same weights (step 1 is DeepSpeed's arithmetic, run chunk by chunk on the lean
+    # layout: the same bits as DeepSpeed's own step); from step 3 on, a forward sees
     # weights from k = step - 2 updates by PyTorch's fused AdamW instead of DeepSpeedCPUAdam
     assert got_losses[:2] == expected_losses[:2]
     assert apart(got_losses, expected_losses, fp32_loss_drift, first_differing_step=3) == []
@@ -238,7 +242,7 @@ def test_a_failed_pipelined_update_raises_in_the_forward_that_needs_it():
     real one would be e.g. host memory running out mid-update."""
     engine = make_pipelined(chunk_elements=4096)
     try:
-        run(engine, range(1, 3))  # step 1 is DeepSpeed's own; step 2 launched the first pipelined update
+        run(engine, range(1, 3))  # step 1 is DeepSpeed's arithmetic; step 2 launched the first pipelined update
         engine.sync_weights()
         adam = engine.overlap._adam
 

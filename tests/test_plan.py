@@ -50,17 +50,23 @@ def test_t5_3b_model_states_by_value():
     assert p.host_total == sum(c.bytes for c in p.host)
 
 
-def test_the_lean_host_layout_holds_sixteen_bytes_a_parameter_and_one_staging_group():
-    """Under the pipelined update (the default on one GPU; fitone.zero2.layout): fp32 master 4 + fp32
-    gradients 4 + Adam's moments 8 B/param, one group's 16-bit staging (2^27 elements x 2 B), the largest
-    parameter's 16-bit gradient buffer, the process; nothing pinned by PyTorch, so no rounding."""
+def test_the_lean_host_layout_holds_fourteen_bytes_a_parameter_and_one_fp32_chunk():
+    """Under the pipelined update (the default on one GPU; fitone.zero2.layout): fp32 master 4 + 16-bit
+    gradients 2 + Adam's moments 8 B/param, one fp32 chunk (2^25 elements) the gradients are widened into
+    for Adam, the process; no weight staging, no buffer for the largest parameter, nothing pinned by
+    PyTorch, so no rounding. fp32 training keeps fp32 gradients and needs no chunk."""
+    from fitone.zero2.layout import CHUNK_ELEMENTS
+
     p = plan(**T5_3B, gpu_mem="24GiB", host_mem="256GiB")
-    n, largest = p.n_params, 32128 * 1024
-    assert part(p, "host", "fp32 master weights") == part(p, "host", "fp32 gradients") == 4 * n
+    n = p.n_params
+    assert part(p, "host", "fp32 master weights") == 4 * n and part(p, "host", "gradients") == 2 * n
     assert part(p, "host", "Adam m and v") == 8 * n
-    assert part(p, "host", "16-bit weight staging") == 2 * 2**27 + 2 * largest
-    assert "pinned rounding" not in {c.name for c in p.host}
-    assert p.host_total == 16 * n + 2 * 2**27 + 2 * largest + 2 * GIB  # + the process baseline
+    assert part(p, "host", "fp32 gradient chunk") == 4 * CHUNK_ELEMENTS == 4 * 2**25
+    assert {c.name for c in p.host} == {"fp32 master weights", "gradients", "Adam m and v", "fp32 gradient chunk",
+                                        "process baseline"}
+    assert p.host_total == 14 * n + 4 * 2**25 + 2 * GIB  # + the process baseline
+    fp32 = plan(**{**T5_3B, "precision": "fp32"}, gpu_mem="80GiB", host_mem="256GiB")
+    assert part(fp32, "host", "gradients") == 4 * n and fp32.host_total == 16 * n + 2 * GIB
 
 
 LLAMA_7B = dict(model="llama-7b", from_scratch=True, seq_len=512, precision="bf16")
@@ -94,7 +100,7 @@ def test_with_the_model_in_one_parameter_group_the_init_binds_and_llama_7b_does_
     monkeypatch.setattr(layout, "GROUP_ELEMENTS", 2**40)
     p = plan(**LLAMA_7B, batch_size=8, max_gpu_memory="23GiB", gpu_mem="141GiB", host_mem="256GiB")
     weights = part(p, "gpu", "weights")
-    assert part(p, "gpu_init", "group flattening") == 2 * weights
+    assert part(p, "gpu_init", "group flattening") == weights  # the one group's flat copy beside its tensors
     assert p.gpu_peak_phase == "engine init" and p.gpu_total < p.gpu_limit < p.gpu_init_total
     assert p.short["GPU"] == p.gpu_init_total - p.gpu_limit
     assert p.verdict == DOES_NOT_FIT and p.max_micro_batch == 0
@@ -167,7 +173,8 @@ def test_causal_lm_logits_are_counted_at_the_vocab_size():
 
 
 def test_two_gpus_halve_the_partitioned_host_states():
-    one = plan(**T5_3B, gpu_mem="24GiB", host_mem="256GiB", gpus=1)
+    # both under DeepSpeed's step (several ranks take it), so both in DeepSpeed's host layout
+    one = plan(**T5_3B, gpu_mem="24GiB", host_mem="256GiB", gpus=1, pipelined_update=False)
     two = plan(**T5_3B, gpu_mem="24GiB", host_mem="256GiB", gpus=2)
     for name in ("fp32 master weights", "fp32 gradients", "Adam m and v"):
         assert part(two, "host", name) == pytest.approx(part(one, "host", name) / 2, abs=8)
@@ -195,7 +202,8 @@ def test_short_host_ram_names_the_resource_and_the_fix():
     """Under DeepSpeed's step the pinned rounding is large enough to suggest turning pinning off."""
     p = plan(**T5_3B, gpu_mem="24GiB", host_mem="32GiB", pipelined_update=False)
     assert p.verdict == DOES_NOT_FIT
-    assert p.short["host"] == p.host_total - 32 * GIB
+    assert p.short["host"] == p.host_export - 32 * GIB  # the export's one shard rides on the steps' peak
+    assert p.host_export == p.host_total + 2 * 10**9
     assert any("host RAM" in s for s in p.suggestions) and any("pin_memory" in s for s in p.suggestions)
 
 
@@ -358,6 +366,21 @@ def test_host_rss_of_a_real_offload_engine_matches_the_plan(monkeypatch):
     assert abs(grown / expected - 1) < 0.15, (grown / 2**20, expected / 2**20)
 
 
+def test_the_lean_layouts_gpu_staging_holds_one_chunk_of_the_largest_parameters_sums():
+    """The largest parameter on the GPU under the lean layout (llama-7b's 131M-element embedding and LM head):
+    autograd's gradient of it (2 B an element), one chunk of the fp64 copy its per-parameter norm is taken of at
+    the boundary (8 B an element) and one 2^25-element chunk of its sum so far, not DeepSpeed's buffer the size
+    of the parameter nor its fp32 copy of the gradient for the host. Under DeepSpeed's step the plan keeps its
+    count."""
+    from fitone.zero2.layout import CHUNK_ELEMENTS
+
+    largest = 32000 * 4096
+    lean = plan(**LLAMA_7B, batch_size=1, gpu_mem="24GiB", host_mem="256GiB")
+    plain = plan(**LLAMA_7B, batch_size=1, gpu_mem="24GiB", host_mem="256GiB", pipelined_update=False)
+    assert largest > CHUNK_ELEMENTS
+    assert part(lean, "gpu", "offload staging") == 2 * largest + 8 * CHUNK_ELEMENTS + 2 * CHUNK_ELEMENTS
+    assert part(plain, "gpu", "offload staging") == 2 * 2 * largest + 4 * largest
+
 def test_the_pipelined_update_adds_two_fp32_upload_chunks_on_the_gpu():
     """Two fp32 landing chunks as large as the update's largest chunk: on the tiny T5 that is what a real
     PipelinedUpdate on a real engine plans for its partition; on big models the chunk is capped, so the
@@ -384,10 +407,39 @@ def test_the_pipelined_update_adds_two_fp32_upload_chunks_on_the_gpu():
     assert "pipelined-update landing" not in {c.name for c in two_ranks.gpu}
     landing = part(piped, "gpu", "pipelined-update landing")
     assert 0 < landing < 2 * 4 * piped.n_params and landing == part(bigger, "gpu", "pipelined-update landing")
-    # on the host the lean layout: DeepSpeed's 16-bit staging copy and pinned rounding are gone
-    lean_saving = (part(plain, "host", "16-bit weight staging") - part(piped, "host", "16-bit weight staging")
-                   + part(plain, "host", "pinned rounding"))
+    # on the host the lean layout: half the gradient bytes and one fp32 chunk; DeepSpeed's 16-bit staging copy,
+    # its buffer for the largest gradient and pinned rounding are gone
+    lean_saving = (part(plain, "host", "fp32 gradients") - part(piped, "host", "gradients")
+                   + part(plain, "host", "16-bit weight staging") + part(plain, "host", "pinned rounding")
+                   - part(piped, "host", "fp32 gradient chunk"))
     assert plain.host_total - piped.host_total == lean_saving
-    # the rest of the GPU plan is unchanged; the fragmentation margin takes its share of the landing
+    # the rest of the GPU plan is unchanged but for the largest parameter's staging (the test below); the
+    # fragmentation margin takes its share of the difference
+    staging = part(piped, "gpu", "offload staging") - part(plain, "gpu", "offload staging")
     margin = part(piped, "gpu", "fragmentation margin") - part(plain, "gpu", "fragmentation margin")
-    assert piped.gpu_total == plain.gpu_total + landing + margin and 0 <= margin <= 0.06 * landing
+    assert piped.gpu_total == plain.gpu_total + landing + staging + margin
+    assert 0 <= margin <= 0.06 * (landing + staging)
+
+
+LLAMA_31_8B = Path(__file__).resolve().parents[1] / "bench" / "results" / "2026-12-01-issue27"
+
+
+def test_llama_3_1_8b_plans_within_five_percent_of_its_run(monkeypatch):
+    """Llama-3.1-8B's recipe run on the H200 (12 x 4 x 512, bf16, Liger's fused loss, the lean layout with
+    16-bit gradients; the committed record): the plan's GPU step peak (allocated), engine-init peak, host peak
+    through the steps and while exporting are each within 5% of what was measured, and the largest micro-batch
+    it finds is at least the 12 that ran."""
+    from fitone import loss
+
+    measured = json.loads((LLAMA_31_8B / "llama-3.1-8b" / "bench7b-llama31-8b.json").read_text())
+    monkeypatch.setattr(loss, "liger_available", lambda: True)  # as on that GPU machine
+    p = plan(model="llama-3.1-8b", from_scratch=True, seq_len=512, precision="bf16", batch_size=12, grad_accum=4,
+             max_gpu_memory="23GiB", gpu_mem="141GiB", host_mem="125GiB", device="cuda")
+    init = sum(c.bytes for c in p.gpu_init if c.category != "overhead")
+    pairs = {"GPU step": (p.gpu_allocated, measured["peak_gpu_steps_gib"]),
+             "GPU init": (init, measured["peak_gpu_init_gib"]),
+             "host steps": (p.host_total, measured["peak_host_gib_by_phase"]["steps"]),
+             "host export": (p.host_export, measured["peak_host_gib_by_phase"]["export"])}
+    for name, (planned, got) in pairs.items():
+        assert abs(planned / (got * GIB) - 1) <= 0.05, (name, planned / GIB, got)
+    assert p.max_micro_batch >= measured["micro_batch"] == 12

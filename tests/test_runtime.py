@@ -102,3 +102,33 @@ def test_a_taken_master_port_from_the_user_is_one_line_from_the_cli():
                                                    "(EADDRINUSE): unset MASTER_PORT to let fitone pick a free port, "
                                                    "or set it to a free one")
     assert "Traceback" not in run.stderr
+
+
+# Runs in its own process, so that no group of an earlier test in this one is alive when it starts.
+_RUNS = """
+import os, socket
+import torch.distributed as dist
+import fitone
+
+run = dict(model="t5-tiny", from_scratch=True, device="cpu", precision="fp32", src_len=8, tgt_len=8, batch_size=4,
+           max_steps=1, eval_examples=0, progress=False)
+for _ in range(2):  # a notebook's second run starts a group of its own
+    assert fitone.train(**run).steps == 1
+    assert not dist.is_initialized(), "fitone.train left its process group alive"
+fitone.probe_batch(max_batch=1, verify_steps=0, say=lambda text: None, **run)
+assert not dist.is_initialized(), "a standalone probe left its process group alive"
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+assert fitone.train(**run).steps == 1
+assert dist.is_initialized(), "fitone destroyed a process group its caller made"
+print("OK")
+"""
+
+
+def test_a_run_destroys_the_process_group_it_made_and_keeps_its_caller_s(tmp_path):
+    env = {**child_env(), "FITONE_CACHE_DIR": str(tmp_path / "cache")}
+    run = subprocess.run([sys.executable, "-c", _RUNS], capture_output=True, text=True, env=env, cwd=tmp_path,
+                         timeout=900)
+    assert run.returncode == 0 and run.stdout.strip().endswith("OK"), run.stderr[-3000:]

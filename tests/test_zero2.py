@@ -4,18 +4,23 @@ bytes per parameter of a 7B model (bench/results/2026-11-30-issue19/)."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
 from conftest import cpu_config, fixed_batch, weights
-from fitone.zero2 import layout
+from fitone.zero2 import layout, overlap
 
 SMALL_GROUPS = 20_000  # elements: cuts the tiny T5 (~1M parameters) into dozens of groups
+SMALL_CHUNKS = 2048  # elements: the tiny T5's embedding (256 x 64) and feed-forward weights span several
 
 
-def make_engine(precision: str = "bf16", grad_accum: int = 1, *, pipelined: bool = False, lean: bool = False):
-    """A seeded tiny-T5 engine; `lean` builds DeepSpeed's step on the lean layout (only to compare gradients:
-    DeepSpeed's own step needs the staging copy the layout releases)."""
+def make_engine(precision: str = "bf16", grad_accum: int = 1, *, pipelined: bool = False, lean: bool = False,
+                chunk: int | None = None):
+    """A seeded tiny-T5 engine; `lean` builds the lean layout (in chunks of `chunk` elements) with no update
+    on it (only to compare gradients: DeepSpeed's own step is refused there); `pipelined` the engine's own
+    pipelined update on the lean layout; `chunk` with `pipelined`: its update and layout in such chunks."""
     from fitone.ds_config import build_ds_config
     from fitone.engine import Engine
     from fitone.runtime import start_runtime
@@ -26,11 +31,22 @@ def make_engine(precision: str = "bf16", grad_accum: int = 1, *, pipelined: bool
     torch.manual_seed(0)
     model = build_model(load_config("t5-tiny", from_scratch=True))
     ds = build_ds_config(cfg, micro_batch=4, world_size=1, total_steps=100, on_gpu=False)
-    if lean:
+    chunked = lean or (pipelined and chunk)
+    if chunked:
         ds = layout.lean_offload_config(ds)
-    engine = Engine(model, ds, pipelined=pipelined)
-    if lean:
-        engine.host = layout.LeanHost(engine.optimizer)
+    engine = Engine(model, ds, pipelined=pipelined and not chunked)
+    if chunked:
+        engine.host = layout.LeanHost(engine.optimizer, chunk_elements=chunk)
+    if pipelined and chunked:
+        engine.overlap = overlap.PipelinedUpdate(engine.optimizer, engine.module, after=1, host=engine.host)
+    return engine
+
+
+def deepspeeds_layout_pipelined(precision: str, grad_accum: int, chunk: int):
+    """The reference for the lean layout: DeepSpeed's own host layout (fp32 gradient buffers, its per-parameter
+    accumulation buffers and its own first step) under the same pipelined update, in the same chunks."""
+    engine = make_engine(precision, grad_accum)
+    engine.overlap = overlap.PipelinedUpdate(engine.optimizer, engine.module, after=1, chunk_elements=chunk)
     return engine
 
 
@@ -80,13 +96,15 @@ def test_many_groups_train_bit_for_bit_as_one(monkeypatch):
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
 def test_the_lean_layout_accumulates_in_the_gradient_buffer_bit_for_bit(monkeypatch, precision):
-    """Three micro-batches into one step: the fp32 gradients at the boundary equal DeepSpeed's own layout's
-    to the last bit, with no accumulation buffer of its own, one group's staging buffer on the host, and
-    the layout's own accumulation (no host wait, no copy of the sum at the boundary) in place of DeepSpeed's."""
+    """Three micro-batches into one step: the gradients at the boundary, widened to fp32, equal DeepSpeed's
+    own layout's fp32 gradients to the last bit, held in the dtype of the GPU's gradients (bf16: 2 B/param)
+    with no accumulation buffer of their own, the sums carried up a chunk at a time through one chunk-sized
+    buffer, and the layout's own accumulation (no host wait, no copy of the sum at the boundary, no fp32
+    widening before the copy) in place of DeepSpeed's."""
     monkeypatch.setattr(layout, "GROUP_ELEMENTS", SMALL_GROUPS)
     grads = {}
     for lean in (False, True):
-        engine = make_engine(precision, grad_accum=3, lean=lean)
+        engine = make_engine(precision, grad_accum=3, lean=lean, chunk=SMALL_CHUNKS)
         try:
             opt = engine.optimizer
             for micro in range(3):
@@ -95,16 +113,21 @@ def test_the_lean_layout_accumulates_in_the_gradient_buffer_bit_for_bit(monkeypa
                     engine.step()  # not a boundary: DeepSpeed only counts the micro-step
             assert engine.ds.is_gradient_accumulation_boundary()  # the last backward wrote the fp32 gradients
             opt._wait_for_offload_copies()
-            grads[lean] = [p.grad.clone() for p in opt.single_partition_of_fp32_groups]
             if lean:
+                host = engine.host
+                grads[lean] = [g.float() for g in host.gradients]
+                assert all(g.dtype == flat.dtype for g, flat in zip(host.gradients, opt.bit16_groups_flat))
                 held = {t.untyped_storage().data_ptr() for t in opt.accumulated_grads_in_cpu.values()}
-                buffers = {p.grad.untyped_storage().data_ptr() for p in opt.single_partition_of_fp32_groups}
+                buffers = {g.untyped_storage().data_ptr() for g in host.gradients}
                 assert opt.accumulated_grads_in_cpu and held <= buffers  # the sums live in the gradient buffers
-                assert "LeanHost" in opt.async_accumulate_grad_in_cpu_via_gpu.__qualname__  # its adds, not DeepSpeed's
-                staging = engine.host.host_bytes()["16-bit staging"]  # one group's worth, shared by all
-                flat = opt.bit16_groups_flat
-                assert staging == max(b.numel() for b in flat) * flat[0].element_size()
+                for shadowed in (opt.async_accumulate_grad_in_cpu_via_gpu,  # its adds, not DeepSpeed's
+                                 opt.async_inplace_copy_grad_to_fp32_buffer_from_gpu):  # its boundary copy
+                    assert "LeanHost" in shadowed.__qualname__
+                largest = max(p.numel() for params in opt.bit16_groups for p in params)
+                assert largest > 2 * SMALL_CHUNKS  # the sums of the largest parameters went up in 3+ chunks
+                assert opt.temp_grad_buffer_for_gpu_offload.numel() == SMALL_CHUNKS  # not the largest's
             else:
+                grads[lean] = [p.grad.clone() for p in opt.single_partition_of_fp32_groups]
                 assert all(t.untyped_storage().data_ptr() not in
                            {p.grad.untyped_storage().data_ptr() for p in opt.single_partition_of_fp32_groups}
                            for t in opt.accumulated_grads_in_cpu.values())
@@ -135,13 +158,149 @@ def test_the_pipelined_update_on_the_lean_layout_follows_deepspeeds_step_with_ac
         got = weights(lean)
         held = lean.host.host_bytes()
         n = sum(p.numel() for p in lean.optimizer.single_partition_of_fp32_groups)
-        largest = max(p.numel() for p in lean.optimizer.single_partition_of_fp32_groups)
-        assert held == {"fp32 master": 4 * n, "fp32 gradients": 4 * n, "Adam moments": 8 * n,
-                        "16-bit staging": 4 * largest}  # fp32 run: the staging buffer is fp32 too
+        # fp32 training: DeepSpeed's fp32 gradients are the layout's, read in place (no upcast scratch)
+        assert held == {"fp32 master": 4 * n, "gradients": 4 * n, "Adam moments": 8 * n, "fp32 upcast": 0}
     finally:
         lean.close()
     assert losses == pytest.approx(expected_losses, rel=1e-5)
     assert all(torch.allclose(got[k], expected[k], atol=1e-6, rtol=0) for k in expected)
+
+
+def train_and_keep(engine, steps: int, grad_accum: int) -> tuple[list[float], dict, list, list]:
+    """Every micro-batch's loss, then the module's weights, the fp32 masters and Adam's moments."""
+    losses = train(engine, steps, grad_accum)
+    opt = engine.optimizer
+    masters = [m.detach().clone() for m in opt.single_partition_of_fp32_groups]
+    moments = [opt.optimizer.state[m][k].clone() for m in opt.single_partition_of_fp32_groups
+               for k in ("exp_avg", "exp_avg_sq")]
+    return losses, weights(engine), masters, moments
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_the_lean_layout_trains_bit_for_bit_as_deepspeeds_layout(monkeypatch, precision):
+    """Five steps of three micro-batches under the pipelined update, the first step DeepSpeed's arithmetic:
+    every loss, the module's weights, the fp32 masters and Adam's moments equal, to the last bit, those of the
+    same update on DeepSpeed's own layout (fp32 gradient buffers, its own first step), which is what the lean
+    layout computed before its gradients went to 16 bits. Many groups and small chunks, so that the first
+    step's chunked DeepSpeedCPUAdam, the widening per chunk and the chunked sums all run; clipped (norm > 1)."""
+    monkeypatch.setattr(layout, "GROUP_ELEMENTS", SMALL_GROUPS)
+    plain = deepspeeds_layout_pipelined(precision, grad_accum=3, chunk=SMALL_CHUNKS)
+    try:
+        want = train_and_keep(plain, 5, grad_accum=3)
+        assert float(plain.optimizer._global_grad_norm) > 1.0  # the clip factor was part of every update
+    finally:
+        plain.close()
+    lean = make_engine(precision, grad_accum=3, pipelined=True, chunk=SMALL_CHUNKS)
+    try:
+        assert lean.overlap.host is lean.host and lean.overlap.applied == 0
+        assert len(lean.optimizer.bit16_groups) > 10 and max(len(ends) for ends in lean.overlap.chunks) > 2
+        got = train_and_keep(lean, 5, grad_accum=3)
+        assert lean.overlap.applied == 5
+    finally:
+        lean.close()
+    losses, module, masters, moments = got
+    assert losses == want[0] and len(losses) == 15
+    assert all(torch.equal(module[k], want[1][k]) for k in want[1])
+    assert all(torch.equal(a, b) for a, b in zip(masters + moments, want[2] + want[3]))
+    assert losses[-1] < losses[0]
+
+
+def fp32_group_sized(opt) -> list[torch.Tensor]:
+    """Live fp32 host tensors as large as some parameter group, other than the masters and Adam's moments:
+    where a whole fp32 gradient of a group would be (made in Python, alive now)."""
+    masters = opt.single_partition_of_fp32_groups
+    sizes = {m.numel() for m in masters}
+    known = {t.untyped_storage().data_ptr() for m in masters
+             for t in [m.data] + [v for v in opt.optimizer.state[m].values() if isinstance(v, torch.Tensor)]}
+    gc.collect()
+    return [t for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.dtype == torch.float32
+            and not t.is_meta and t.numel() in sizes and t.untyped_storage().data_ptr() not in known]
+
+
+def test_the_lean_layout_holds_sixteen_bit_gradients_and_nothing_the_size_of_the_largest_parameter(monkeypatch):
+    """bf16: master 4 + gradients 2 + moments 8 B/param and one fp32 chunk, before, through and after the
+    first step (DeepSpeed's arithmetic, which on DeepSpeed's layout reads a whole fp32 gradient per group),
+    counted from the live tensors, not only from what host_bytes() says. DeepSpeed's buffers sized for the
+    largest parameter or group (its 16-bit weight staging, its host gradient buffer, its GPU buffer for the
+    sums) are released or cut to one chunk, and its own step, which would need them, is refused."""
+    monkeypatch.setattr(layout, "GROUP_ELEMENTS", SMALL_GROUPS)
+    engine = make_engine("bf16", grad_accum=2, pipelined=True, chunk=SMALL_CHUNKS)
+    try:
+        opt, host = engine.optimizer, engine.host
+        masters = opt.single_partition_of_fp32_groups
+        n = sum(m.numel() for m in masters)
+        assert all(m.grad is None for m in masters) and fp32_group_sized(opt) == []
+        assert opt.temp_grad_buffer_for_gpu_offload.numel() == SMALL_CHUNKS
+        assert opt.temp_grad_buffer_for_cpu_offload.numel() == 0
+        assert all(b.numel() == 0 for b in opt.param_buffer_of_bit16_for_cpu_offload_groups)
+        with pytest.raises(RuntimeError, match="DeepSpeed's own step cannot run on the lean host layout"):
+            engine.overlap._plain_step()  # DeepSpeed's step as the layout leaves it
+        seen = []  # what is alive halfway through the first step's Adam, looked at from inside it
+        widen = host.fp32_gradient
+
+        def looking(i, lo, hi):
+            if i == len(masters) // 2 and lo == 0:
+                seen.append(fp32_group_sized(opt))
+            return widen(i, lo, hi)
+
+        monkeypatch.setattr(host, "fp32_gradient", looking)
+        train(engine, 1, grad_accum=2)  # the first step: DeepSpeed's arithmetic, on these buffers
+        assert engine.overlap.applied == 1 and seen == [[]]
+        monkeypatch.setattr(host, "fp32_gradient", widen)
+        train(engine, 2, grad_accum=2)  # pipelined steps
+        assert fp32_group_sized(opt) == []
+        assert host.host_bytes() == {"fp32 master": 4 * n, "gradients": 2 * n, "Adam moments": 8 * n,
+                                     "fp32 upcast": 4 * SMALL_CHUNKS}
+    finally:
+        engine.close()
+
+
+def test_a_lean_checkpoint_resumes_on_either_layout_bit_for_bit(tmp_path, monkeypatch):
+    """bf16, two micro-batches a step: saved from the lean layout after 3 steps, resumed into the lean layout
+    (DeepSpeed relinks its per-parameter gradient views after a load: onto the 16-bit buffers here) and into
+    DeepSpeed's own layout: the next 2 steps' losses and the weights are the same, bit for bit."""
+    monkeypatch.setattr(layout, "GROUP_ELEMENTS", SMALL_GROUPS)
+    saved = make_engine("bf16", grad_accum=2, pipelined=True, chunk=SMALL_CHUNKS)
+    try:
+        train(saved, 3, grad_accum=2)
+        saved.save(str(tmp_path), "step-3", {})
+    finally:
+        saved.close()
+    resumed = {}
+    for lean in (True, False):
+        engine = (make_engine("bf16", grad_accum=2, pipelined=True, chunk=SMALL_CHUNKS) if lean
+                  else deepspeeds_layout_pipelined("bf16", grad_accum=2, chunk=SMALL_CHUNKS))
+        try:
+            engine.load(str(tmp_path), "step-3")
+            assert engine.overlap.applied == 3  # the resumed steps are pipelined, as they would have been
+            if lean:
+                views = {v.untyped_storage().data_ptr() for vs in engine.optimizer.offload_gradient_dict.values()
+                         for v in vs}
+                assert views and views <= {g.untyped_storage().data_ptr() for g in engine.host.gradients}
+            torch.manual_seed(1)
+            resumed[lean] = (train(engine, 2, grad_accum=2), weights(engine))
+        finally:
+            engine.close()
+    assert resumed[True][0] == resumed[False][0]
+    assert all(torch.equal(resumed[True][1][k], resumed[False][1][k]) for k in resumed[False][1])
+
+def test_gradients_summed_in_another_dtype_keep_deepspeeds_step():
+    """The lean layout holds the gradients in the weights' dtype, the one DeepSpeed sums them in: a
+    --ds-config that has them summed in fp32 (data_types.grad_accum_dtype) takes DeepSpeed's step by
+    default and refuses --pipelined-update in one line, before any engine exists."""
+    from fitone.errors import ConfigError
+    from fitone.zero2.step_mode import DEEPSPEED, PIPELINED, decide
+
+    ds = {"bf16": {"enabled": True}, "optimizer": {"type": "AdamW"},
+          "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
+    flags = dict(delayed_update=False, delayed_update_after=0, world_size=1, on_gpu=True)
+    fp32_sums = {**ds, "data_types": {"grad_accum_dtype": "fp32"}}
+    bf16_sums = {**ds, "data_types": {"grad_accum_dtype": "bfloat16"}}  # DeepSpeed's name for the weights' dtype
+    assert decide(ds, pipelined_update=None, **flags).name == PIPELINED
+    assert decide(bf16_sums, pipelined_update=None, **flags).name == PIPELINED
+    assert decide(fp32_sums, pipelined_update=None, **flags).name == DEEPSPEED
+    with pytest.raises(ConfigError, match=r"--pipelined-update keeps the gradients .*drop data_types.grad_accum_dtype"):
+        decide(fp32_sums, pipelined_update=True, **flags)
 
 
 def test_another_deepspeed_version_is_refused_in_one_line(monkeypatch):
@@ -183,3 +342,68 @@ def test_a_checkpoint_resumes_across_the_one_group_and_the_grouped_layouts(tmp_p
         across = _resume(tmp_path, f"saved-{saved_groups}", other, monkeypatch)
         assert across[0] == same[0]
         assert all(torch.equal(across[1][k], same[1][k]) for k in same[1])
+
+
+def test_a_gradient_larger_than_a_norm_chunk_is_normed_in_pieces_within_fp64_rounding(monkeypatch):
+    """A gradient larger than NORM_CHUNK_ELEMENTS is normed a piece at a time (no fp64 copy of the whole
+    parameter on the GPU): each per-parameter norm within the fp64 rounding of two sums of n squares
+    (2 n eps64 relative), and the total norm, which DeepSpeed rounds to fp32, the same fp32 number here."""
+    monkeypatch.setattr(layout, "GROUP_ELEMENTS", SMALL_GROUPS)
+    norms = {}
+    for pieces in (False, True):
+        if pieces:
+            monkeypatch.setattr(layout, "NORM_CHUNK_ELEMENTS", 1000)
+        engine = make_engine("bf16", grad_accum=2, pipelined=True, chunk=SMALL_CHUNKS)
+        opt, seen = engine.optimizer, {}
+        norm = opt.set_norm_for_param_grad_in_gpu
+
+        def recording(param, norm=norm, opt=opt, seen=seen):  # the step clears them: keep each as it is made
+            norm(param)
+            seen[opt.get_param_id(param)] = float(opt.norm_for_param_grads[opt.get_param_id(param)])
+
+        opt.set_norm_for_param_grad_in_gpu = recording
+        try:
+            train(engine, 2, grad_accum=2)
+            norms[pieces] = (seen, float(opt._global_grad_norm))
+            sizes = {engine.optimizer.get_param_id(p): p.numel() for p in engine.module.parameters()}
+        finally:
+            engine.close()
+    (whole, total_whole), (split, total_split) = norms[False], norms[True]
+    assert any(sizes[k] > 1000 for k in split)  # some parameters were normed in pieces
+    eps64 = torch.finfo(torch.float64).eps
+    for k, v in whole.items():
+        assert abs(split[k] - v) <= 2 * sizes[k] * eps64 * v, (k, split[k], v)
+    assert torch.tensor(total_split, dtype=torch.float32) == torch.tensor(total_whole, dtype=torch.float32)
+
+
+def test_no_fp64_copy_of_a_gradient_larger_than_a_norm_chunk_is_made(monkeypatch):
+    """What normed in pieces saves: DeepSpeed widens each parameter's whole gradient to fp64 for its norm (8 B
+    an element, on the GPU), the lean layout a piece at a time. bf16, two micro-batches, pieces of 2048
+    elements: every fp64 tensor made in the boundary's backward is at most a piece on the lean layout, and the
+    size of the largest parameter on DeepSpeed's (what the instrument sees there, so it sees those copies)."""
+    monkeypatch.setattr(layout, "GROUP_ELEMENTS", SMALL_GROUPS)
+    monkeypatch.setattr(layout, "NORM_CHUNK_ELEMENTS", SMALL_CHUNKS)
+    widened = []  # elements of every fp64 tensor Tensor.to makes while the instrument is in
+    real_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        out = real_to(self, *args, **kwargs)
+        if out.dtype == torch.float64:
+            widened.append(out.numel())
+        return out
+
+    widest = {}
+    for lean in (False, True):
+        engine = make_engine("bf16", grad_accum=2, lean=lean, chunk=SMALL_CHUNKS)
+        try:
+            engine.backward(engine.forward(fixed_batch(0)))
+            engine.step()  # not a boundary
+            widened.clear()
+            monkeypatch.setattr(torch.Tensor, "to", to)
+            engine.backward(engine.forward(fixed_batch(1)))  # the boundary: the norms are taken here
+            monkeypatch.setattr(torch.Tensor, "to", real_to)
+            widest[lean] = max(widened)
+            largest = max(p.numel() for params in engine.optimizer.bit16_groups for p in params)
+        finally:
+            engine.close()
+    assert widest[False] == largest > 2 * SMALL_CHUNKS and widest[True] <= SMALL_CHUNKS

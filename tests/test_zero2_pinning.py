@@ -1,4 +1,4 @@
-"""fitone.zero2.layout's page-locking, on the CPU: what the lean host layout asks DeepSpeed for, what it aliases,
+"""fitone.zero2.layout's page-locking, on the CPU: what the lean host layout asks DeepSpeed for, what it releases,
 and which buffers it registers with CUDA.
 
 Without an accelerator PyTorch has no pinned allocator (`pin_memory=True` raises), so no buffer can be
@@ -38,23 +38,25 @@ def small_groups(monkeypatch):
     monkeypatch.setattr(layout, "GROUP_ELEMENTS", 20_000)  # the tiny T5 in dozens of groups
 
 
-def test_the_lean_layout_has_deepspeed_allocate_plain_memory_and_shares_one_staging_buffer(small_groups):
+def test_the_lean_layout_has_deepspeed_allocate_plain_memory_and_registers_nothing_without_cuda(small_groups):
     """DeepSpeed's own pinned blocks are rounded up to a power of two: the layout turns them off (even where the
-    config asked for them, as on a GPU) and locks the pages it needs itself. Every group's 16-bit staging is a
-    view of one scratch buffer the size of the largest group; on the CPU nothing is registered."""
+    config asked for them, as on a GPU) and locks the pages it needs itself; DeepSpeed's staging buffers, which
+    only its own step reads, are released. The sums between micro-batches live in the layout's gradient buffers
+    (what it would register). On the CPU nothing is registered."""
     engine = lean_engine(pipelined=True)
     try:
         opt = engine.optimizer
         assert engine.ds_config["zero_optimization"]["offload_optimizer"]["pin_memory"] is False
         assert opt.cpu_offload and opt.cpu_offload_pin_memory is False
-        staging = opt.param_buffer_of_bit16_for_cpu_offload_groups
-        assert len(staging) == len(opt.bit16_groups_flat) > 10
-        assert len({b.untyped_storage().data_ptr() for b in staging}) == 1  # one buffer ...
-        assert all(b.data_ptr() == staging[0].data_ptr() for b in staging)  # ... each group's view at its start
-        largest = max(f.numel() for f in opt.bit16_groups_flat)
-        assert staging[0].untyped_storage().nbytes() == largest * opt.bit16_groups_flat[0].element_size()
-        assert [b.shape for b in staging] == [f.shape for f in opt.bit16_groups_flat]
-        assert engine.host is not None and engine.host._registered == []  # no CUDA: nothing to register
+        assert len(opt.bit16_groups_flat) > 10
+        assert all(b.numel() == 0 for b in opt.param_buffer_of_bit16_for_cpu_offload_groups)
+        assert opt.temp_grad_buffer_for_cpu_offload.numel() == 0
+        host = engine.host
+        assert host is not None and len(host.gradients) == len(opt.single_partition_of_fp32_groups)
+        assert all(g.dtype == torch.bfloat16 for g in host.gradients)  # the 16 bits DeepSpeed sums in
+        sums = {t.untyped_storage().data_ptr() for t in opt.accumulated_grads_in_cpu.values()}
+        assert sums <= {g.untyped_storage().data_ptr() for g in host.gradients}
+        assert host._registered == []  # no CUDA: nothing to register
     finally:
         engine.close()
 
@@ -62,8 +64,8 @@ def test_the_lean_layout_has_deepspeed_allocate_plain_memory_and_shares_one_stag
 def test_on_a_gpu_exactly_the_fp32_master_and_gradient_buffers_are_registered(small_groups, monkeypatch):
     """FAKED: the weights' device (a stand-in for the first flat 16-bit buffer says is_cuda) and the CUDA call
     (recorded, not made). What the GPU copies touch is registered, once each and in place: every group's fp32
-    master and fp32 gradient buffer, which also holds the 16-bit sums between micro-batches. Not the staging
-    scratch (DeepSpeed's first step reads it before any copy) and nothing twice."""
+    master (the uploads read it) and gradient buffer (the gradients and the sums between micro-batches land
+    there). Not the fp32 scratch chunk Adam widens into, nothing twice, nothing else."""
     engine = lean_engine(pipelined=False)
     opt = engine.optimizer
     registered: list[tuple[int, int]] = []
@@ -73,16 +75,15 @@ def test_on_a_gpu_exactly_the_fp32_master_and_gradient_buffers_are_registered(sm
     try:
         opt.bit16_groups_flat = [SimpleNamespace(is_cuda=True, dtype=flat[0].dtype), *flat[1:]]
         try:
-            layout.LeanHost(opt)
+            host = layout.LeanHost(opt)
         finally:
             opt.bit16_groups_flat = flat
         masters = opt.single_partition_of_fp32_groups
-        expected = [(t.data_ptr(), t.numel() * 4) for m in masters for t in (m.data, m.grad)]
-        assert registered == expected and len(set(registered)) == 2 * len(masters)
-        staging = opt.param_buffer_of_bit16_for_cpu_offload_groups[0].untyped_storage().data_ptr()
-        assert staging not in {ptr for ptr, _ in registered}
-        sums = {t.untyped_storage().data_ptr() for t in opt.accumulated_grads_in_cpu.values()}
-        assert sums <= {m.grad.untyped_storage().data_ptr() for m in masters}  # inside what is registered
+        expected = [(t.data_ptr(), t.numel() * t.element_size()) for m, g in zip(masters, host.gradients)
+                    for t in (m.data, g)]
+        assert registered == expected and len(set(registered)) == 2 * len(masters) > 20
+        assert sum(size for _, size in registered) == 6 * sum(m.numel() for m in masters)  # 4 + 2 B/param
+        assert host._upcast.data_ptr() not in {ptr for ptr, _ in registered}
     finally:
         engine.close()
 

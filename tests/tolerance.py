@@ -79,3 +79,21 @@ def apart(got: list[float], want: list[float], bound, *, first_differing_step: i
     assert len(got) == len(want), (len(got), len(want))
     return [(step, g, w) for step, (g, w) in enumerate(zip(got, want), 1)
             if abs(g - w) > bound(w, max(0, step - first_differing_step + 1))]
+
+
+# Matrix products between a causal LM block's input and its output, one after another: the q/k/v
+# projections (side by side), attention scores, the scores' weighted values, the output projection, the
+# feed-forward's in and out. A logit is this many per block deep, plus the LM head.
+PRODUCTS_PER_BLOCK = 6
+
+
+def fp32_logit_drift(logits: torch.Tensor, blocks: int, terms: int) -> float:
+    """Largest gap between two fp32 forwards of the same weights on the same tokens that differ only in the
+    order of their sums (one example alone, or inside a longer packed row: other shapes take other matrix
+    kernels and attention splits), for logits whose largest magnitude is max|logits|.
+
+    A sum of n products taken in two orders differs by at most n x eps of the sum of their magnitudes (each
+    order is within n x eps/2 of the exact sum: Higham's gamma_n). A logit is PRODUCTS_PER_BLOCK x blocks + 1
+    such sums deep, none longer than `terms` (masked keys add exact zeros); each block's norm rescales its
+    input, so the sums' magnitudes stay at the logits' scale and, to first order, their errors add."""
+    return (PRODUCTS_PER_BLOCK * blocks + 1) * terms * EPS["fp32"] * float(logits.abs().max())

@@ -86,13 +86,3 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("fitone: interrupted", file=sys.stderr)
         return 130
-    finally:
-        if argv is None:  # the `fitone` process ends here; an in-process caller keeps its group
-            _leave_process_group()
-
-
-def _leave_process_group() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()

@@ -20,7 +20,7 @@ FLAGS: dict[str, tuple[Any, str]] = {
     "from_scratch": (bool, "build the architecture from a shipped config with random weights"),
     "data": (str, "a .jsonl/.json, .csv or .parquet file or glob, a save_to_disk directory, a hub dataset id, "
                   "'sample' (shipped numbers-to-words task) or 'synthetic' (random tokens)"),
-    "data_split": (str, "the split of a hub dataset (or a save_to_disk DatasetDict) to train on (default train)"),
+    "data_split": (str, "the split of a hub dataset (or a save_to_disk DatasetDict) to train on"),
     "data_config": (str, "the configuration (subset) of a hub dataset"),
     "chat_template": (str, "a Jinja chat template file, for chat 'messages' rows when the tokenizer has none"),
     "pack": (bool, "causal LM: concatenate whole examples into full --seq-len rows; no example attends to "
@@ -36,7 +36,7 @@ FLAGS: dict[str, tuple[Any, str]] = {
     "seq_len": (int, "causal LM: longest text in tokens; longer texts are truncated"),
     "eval_data": (str, "held-out data (same fields and kinds as --data) scored at the end; 'sample' brings "
                        "its own"),
-    "eval_split": (str, "--eval-data's split, for a hub id or DatasetDict (default validation, else test)"),
+    "eval_split": (str, "--eval-data's split, for a hub id or DatasetDict"),
     "eval_examples": (int, "held-out examples scored at the end, the first N of the eval file (0: none)"),
     "eval_every": (int, "also score them every N optimizer steps (logged to metrics.jsonl, drawn by report)"),
     "batch_size": (str, "per-GPU micro-batch, or 'auto' to probe for the largest that fits"),
@@ -52,6 +52,8 @@ FLAGS: dict[str, tuple[Any, str]] = {
     "seed": (int, "seed for weights, data order and dropout"),
     "precision": (PRECISIONS, "fp16 (dynamic loss scaling), bf16 or fp32; auto: fp16 on a GPU, fp32 on the CPU"),
     "activation_checkpointing": (bool, "recompute activations in backward (saves GPU memory)"),
+    "fused_loss": (bool, "causal LMs: fuse the LM head and the cross-entropy so no [tokens, vocab] logits are "
+                         "kept (--no-fused-loss: the model's own loss)"),
     "offload": (OFFLOADS, "where the optimizer lives: cpu (ZeRO-Offload) or none (on the GPU)"),
     "delayed_update": (bool, "run step N's CPU Adam while the GPU computes step N+1 on weights one update "
                              "old (faster, but it trains worse)"),
@@ -82,7 +84,8 @@ FLAGS: dict[str, tuple[Any, str]] = {
 
 
 # defaults that need words: None means "not set" differently per field
-DEFAULT_WORDS = {"pipelined_update": "on with one GPU and --offload cpu, else off"}
+DEFAULT_WORDS = {"pipelined_update": "on with one GPU and --offload cpu, else off",
+                 "eval_split": "validation, else test"}
 
 
 def default_text(name: str) -> str:

@@ -35,9 +35,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args, FLAGS)  # first: a bad option costs no torch import
     from fitone.plan import plan
 
-    cfg = config_from_args(args, FLAGS)
     result = plan(cfg, gpu_mem=args.gpu_mem, gpus=args.gpus, host_mem=args.host_mem)
     print(json.dumps(result.to_dict(), indent=2) if args.json else result)
     if args.plot:

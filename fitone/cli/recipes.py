@@ -29,10 +29,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"copied {args.name} to {dest}; edit it, then: fitone train --recipe {dest}")
     else:
         recipes = list_recipes()
-        rows = [("NAME", "MODEL", "GPU", "MEASURED")]
-        rows += [(r.name, r.model, r.gpu_class, r.measured or "not measured") for r in recipes]
-        widths = [max(len(row[i]) for row in rows) for i in range(3)]
+        rows = [("NAME", "MODEL", "GPU", "BATCH", "MEASURED")]
+        rows += [(r.name, r.model, r.gpu_class, r.batch, r.measured or "not measured") for r in recipes]
+        widths = [max(len(row[i]) for row in rows) for i in range(4)]
         for row in rows:
-            print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[3])
-        print("\nfitone recipes show NAME | fitone recipes copy NAME DEST | fitone train --recipe NAME key=value")
+            print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) + "  " + row[4])
+        print("\nBATCH: the file's micro-batch x accumulation; MEASURED: the header's run, at its own micro-batch")
+        print("fitone recipes show NAME | fitone recipes copy NAME DEST | fitone train --recipe NAME key=value")
     return 0

@@ -21,10 +21,10 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args, TRAIN_FLAGS)  # first: a bad option costs no torch import
     import fitone
     from fitone.checkpoint import latest
 
-    cfg = config_from_args(args, TRAIN_FLAGS)
     try:
         result = fitone.train(cfg)
     except KeyboardInterrupt:  # a second Ctrl-C: out at once, but say what is safe on disk

@@ -77,13 +77,17 @@ def _decoder_layer(s: ModelShape, a: int) -> tuple[float, float]:
     return layer, drop * d + 2 * a * d + 8
 
 
-def activation_bytes(s: ModelShape, *, precision: str, checkpointing: bool, lengths: Lengths) -> int:
+def activation_bytes(s: ModelShape, *, precision: str, checkpointing: bool, lengths: Lengths,
+                     fused_loss: str | None = None) -> int:
     """Peak activation bytes of one sample in forward + backward (the micro-batch scales it linearly).
 
     The peak is the larger of two moments: the loss backward (everything kept + the logits' gradients)
     and, with checkpointing, the backward of a recomputed layer (the forward never gets higher). Logits
     are not kept past the loss (fitone keeps only `.loss`). Causal LMs upcast logits to fp32 for the loss
-    (transformers' ForCausalLMLoss); T5 computes it in the model's dtype.
+    (transformers' ForCausalLMLoss); T5 computes it in the model's dtype. With a fused loss (fitone.loss) a
+    causal LM keeps no logits: the loss keeps the labelled hidden states and backward makes their gradient
+    (the chunked path) or the forward makes it (Liger, which also keeps fp32 logits of about H per token);
+    the fixed part of either is `fused_loss_fixed_bytes`.
     """
     a = 4 if precision == "fp32" else 2
     fp16 = precision == "fp16"
@@ -103,6 +107,9 @@ def activation_bytes(s: ModelShape, *, precision: str, checkpointing: bool, leng
         loss_dtype, tgt, l_dec = 4, lengths.tgt, s.layers
     lsm = loss_dtype * s.vocab * tgt  # log-softmax output kept for the loss backward
     loss_grads = 2 * loss_dtype * s.vocab * tgt  # its incoming gradient and the logits' gradient
+    if fused_loss and not (s.family == "t5" or s.encoder_decoder):
+        lsm = a * s.hidden * tgt  # the labelled hidden states, gathered
+        loss_grads = a * s.hidden * tgt + (8 * s.hidden * tgt if fused_loss == "liger" else 0)
     transient = BACKWARD_TRANSIENT_FF * a * s.ff
 
     if not checkpointing:
@@ -115,3 +122,16 @@ def activation_bytes(s: ModelShape, *, precision: str, checkpointing: bool, leng
     dec_phase = kept_enc + kept_dec - a * s.hidden * tgt + (dec + transient) * tgt
     enc_phase = kept_enc + a * s.hidden * src + (enc + transient) * src if l_enc else 0.0
     return int(max(loss_phase, dec_phase, enc_phase))
+
+
+def fused_loss_fixed_bytes(s: ModelShape, *, precision: str, fused_loss: str | None) -> int:
+    """What a fused loss holds whatever the micro-batch: the chunked path's one chunk of logits in backward
+    (16-bit logits, their fp32 copy, the softmax and its 16-bit cast: 12 B each), or nothing more for Liger:
+    its head gradient, made in the forward and handed on in the loss's backward, is gone before backward
+    reaches the largest parameter, whose autograd gradient (the plan's offload staging) is at least as large
+    (measured: bench/results/2026-12-01-issue27/llama-3.1-8b/)."""
+    if not fused_loss or fused_loss == "liger" or s.family == "t5" or s.encoder_decoder:
+        return 0
+    from fitone.loss import CHUNK_ELEMENTS
+
+    return 12 * CHUNK_ELEMENTS

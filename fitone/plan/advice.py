@@ -60,8 +60,8 @@ def _judge(p: Plan, st: _Setup, gpu_peak: Callable[..., int], max_batch: Callabl
     # shortfalls of the configured mode
     if p.gpu_limit is not None and p.gpu_peak > p.gpu_limit:
         p.short["GPU"] = p.gpu_peak - p.gpu_limit
-    if p.host_total > p.host_available:
-        p.short["host"] = p.host_total - p.host_available
+    if p.host_export > p.host_available:  # the run's host peak: the steps' plus the export's one shard
+        p.short["host"] = p.host_export - p.host_available
 
     tips = p.suggestions
     if p.verdict == FITS_ON_GPU and p.offload:
@@ -94,7 +94,7 @@ def _judge(p: Plan, st: _Setup, gpu_peak: Callable[..., int], max_batch: Callabl
             tips.append("a GPU with more memory, or a smaller model: the engine's init, before any batch, needs "
                         f"{_g(p.gpu_init_total):.1f} GiB")
     if "host" in p.short:
-        tips.append(f"a machine with at least {_g(p.host_total) + 1:.0f} GiB of host RAM "
+        tips.append(f"a machine with at least {_g(p.host_export) + 1:.0f} GiB of host RAM "
                     f"({_g(p.short['host']):.1f} GiB more than available)")
         pinned = sum(c.bytes for c in p.host if c.name == "pinned rounding")
         if pinned:

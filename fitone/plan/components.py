@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from fitone import memory
-from fitone.plan.activations import Lengths, activation_bytes
+from fitone.plan.activations import Lengths, activation_bytes, fused_loss_fixed_bytes
 from fitone.plan.shape import ModelShape
 from fitone.units import GIB, gib
 
@@ -90,6 +90,15 @@ class Plan:
         return sum(c.bytes for c in self.gpu if c.category != "overhead")
 
     @property
+    def host_export(self) -> int:
+        """Host RAM while `final/` is written: the steps' and one export shard, which is all the streamed export
+        holds (fitone.checkpoint.export; measured: bench/results/2026-12-01-issue27/llama-3.1-8b/)."""
+        from fitone.checkpoint import EXPORT_SHARD_SIZE
+        from fitone.units import parse_size
+
+        return self.host_total + int(parse_size(EXPORT_SHARD_SIZE, "shard size"))
+
+    @property
     def host_states(self) -> int:
         """Host bytes of one rank beyond the process baseline: what offloading adds."""
         return sum(c.bytes for c in self.host if c.name != "process baseline")
@@ -144,6 +153,7 @@ class _Setup:
     on_gpu: bool
     delayed_update: bool = False  # a second fp32 gradient buffer (fitone.zero2.overlap)
     pipelined_update: bool = False  # two fp32 upload chunks on the GPU (fitone.zero2.overlap)
+    fused_loss: str | None = None  # causal LMs: the fused LM head + loss's backend (fitone.loss), None: the model's
 
     @property
     def w(self) -> int:
@@ -151,7 +161,8 @@ class _Setup:
 
     def per_sample(self, checkpointing: bool | None = None) -> int:
         ckpt = self.checkpointing if checkpointing is None else checkpointing
-        return activation_bytes(self.shape, precision=self.precision, checkpointing=ckpt, lengths=self.lengths)
+        return activation_bytes(self.shape, precision=self.precision, checkpointing=ckpt, lengths=self.lengths,
+                                fused_loss=self.fused_loss)
 
 
 def _gpu_components(st: _Setup, offload: bool, micro_batch: int) -> list[Component]:
@@ -164,11 +175,19 @@ def _gpu_components(st: _Setup, offload: bool, micro_batch: int) -> list[Compone
                            f"{nbuf} x reduce_bucket_size {st.bucket:.2g} ({'overlap_comm' if nbuf == 2 else 'one'}"
                            ", setup_buckets, lines 3266-3278)"))
     largest = s.largest_param
-    if offload:
+    if offload and st.pipelined_update:  # the lean layout (fitone.zero2.layout): the sums go up in chunks
+        from fitone.zero2.layout import CHUNK_ELEMENTS, NORM_CHUNK_ELEMENTS
+
+        comps.append(Component("offload staging", "buffers", w * largest + 8 * min(largest, NORM_CHUNK_ELEMENTS)
+                               + w * min(largest, CHUNK_ELEMENTS),
+                               "largest param: its autograd grad; one chunk of its fp64 copy for the norm at the "
+                               "boundary and one of its sum so far"))
+    elif offload:
         upcast = 4 * largest if w < 4 else 0
         comps.append(Component("offload staging", "buffers", 2 * w * largest + upcast,
                                "largest param: temp_grad_buffer_for_gpu_offload (line 659), its autograd grad"
                                + (", fp32 copy for the CPU (line 1898)" if upcast else "")))
+    if offload:
         if st.pipelined_update and st.on_gpu:
             from fitone.zero2.overlap import UPLOAD_CHUNK
 
@@ -182,6 +201,10 @@ def _gpu_components(st: _Setup, offload: bool, micro_batch: int) -> list[Compone
         comps.append(Component("largest grad", "buffers", w * largest, "autograd's grad before the bucket copy"))
     comps.append(Component("activations", "activations", st.per_sample() * micro_batch,
                            f"{micro_batch} x {st.per_sample() / 2**20:.1f} MiB"))
+    fixed = fused_loss_fixed_bytes(st.shape, precision=st.precision, fused_loss=st.fused_loss)
+    if fixed:
+        comps.append(Component("fused loss", "activations", fixed,
+                               "one chunk of logits in the loss's backward (fitone.loss)"))
     if not offload:  # step: fp32 grads of the partition exist once activations are gone (flatten in step())
         backward = sum(c.bytes for c in comps)
         step = backward - comps[-1].bytes + 4 * part
@@ -203,16 +226,22 @@ def _with_overhead(st: _Setup, comps: list[Component]) -> list[Component]:
 
 def _gpu_init_components(st: _Setup, offload: bool) -> list[Component]:
     """The GPU at the engine's init, before any activation: DeepSpeed flattens each parameter group into one
-    buffer beside the group's own tensors (fitone.zero2.layout bounds the groups; measured about two groups
-    over the weights: bench/results/2026-11-30-issue19/), and without offload makes the fp32 master there."""
+    buffer beside the group's own tensors (fitone.zero2.layout bounds the groups), and without offload makes
+    the fp32 master there. Measured over the weights: the largest group and about one more bounded group
+    (llama-7b, groups of up to 2^27 elements: bench/results/2026-12-01-issue19-export-t5/; Llama-3.1-8B, its
+    525M-element embedding alone in a group: bench/results/2026-12-01-issue27/llama-3.1-8b/)."""
     from fitone.zero2 import layout
 
     s, w = st.shape, st.w
     part = math.ceil(s.n_params / st.gpus)
-    group = max(min(s.n_params, layout.GROUP_ELEMENTS), s.largest_param)
+    sizes = [0] * (max(layout.group_of_each(list(s.param_numels)), default=0) + 1)
+    for n, g in zip(s.param_numels, layout.group_of_each(list(s.param_numels))):
+        sizes[g] += n
+    pair = max(sizes) + min(layout.GROUP_ELEMENTS, s.n_params - max(sizes))
     comps = [Component("weights", "weights", w * s.n_params, f"{'fp32' if w == 4 else '16-bit'}, {w} B/param"),
-             Component("group flattening", "buffers", 2 * w * group,
-                       "about two parameter groups' flat copies beside their tensors (flatten_dense_tensors_aligned)")]
+             Component("group flattening", "buffers", w * pair,
+                       "the largest parameter group's flat copy and about one more group's, beside their "
+                       "tensors (flatten_dense_tensors_aligned)")]
     if not offload:
         comps.append(Component("fp32 master", "optimizer", 4 * part, "made on the GPU at init (line 560)"))
     return _with_overhead(st, comps)
@@ -225,19 +254,20 @@ def _host_components(st: _Setup, offload: bool) -> list[Component]:
     if not offload:
         return [Component("model load", "weights", 4 * s.n_params, "fp32 weights on the CPU before they move"),
                 Component("process baseline", "overhead", baseline, "python, torch, CUDA, DeepSpeed")]
-    if st.pipelined_update:  # the lean host layout (fitone.zero2.layout): the arithmetic's 16 B/param, little else
-        from fitone.zero2.layout import GROUP_ELEMENTS
+    if st.pipelined_update:  # the lean host layout (fitone.zero2.layout): the arithmetic's 14 B/param, little else
+        from fitone.zero2.layout import CHUNK_ELEMENTS
 
-        return [
+        comps = [
             Component("fp32 master weights", "weights", 4 * part, "4 B/param, page-locked in place"),
-            Component("fp32 gradients", "gradients", 4 * part,
-                      "4 B/param, page-locked in place; also holds the 16-bit sums between micro-batches"),
+            Component("gradients", "gradients", w * part,
+                      f"{w} B/param in the dtype DeepSpeed sums them in, page-locked in place; also the sums "
+                      "between micro-batches"),
             Component("Adam m and v", "optimizer", 8 * part, "8 B/param, DeepSpeedCPUAdam states"),
-            Component("16-bit weight staging" if w == 2 else "weight staging", "buffers",
-                      w * min(part, GROUP_ELEMENTS) + w * s.largest_param,
-                      "one parameter group's, shared by all groups + largest-param grad buffer"),
-            Component("process baseline", "overhead", baseline, "python, torch, CUDA, DeepSpeed"),
         ]
+        if w < 4:
+            comps.append(Component("fp32 gradient chunk", "buffers", 4 * min(part, CHUNK_ELEMENTS),
+                                   "the gradients widened for Adam one chunk at a time"))
+        return comps + [Component("process baseline", "overhead", baseline, "python, torch, CUDA, DeepSpeed")]
     pin = _pow2 if st.pin_memory else (lambda x: x)
     pinned = " pinned" if st.pin_memory else ""
     master, grads, staging = 4 * part, 4 * part, w * part

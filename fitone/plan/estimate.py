@@ -7,6 +7,7 @@ from typing import Any
 from fitone import memory
 from fitone.config import TrainConfig, resolve_precision
 from fitone.errors import ConfigError, MemoryBudgetError
+from fitone.loss import backend_for
 from fitone.zero2 import step_mode
 from fitone.zero2.step_mode import StepMode
 from fitone.plan.activations import Lengths
@@ -60,7 +61,7 @@ def preflight(cfg: TrainConfig, *, micro_batch: int, world_size: int = 1, config
         fixes.append("a smaller model")
         raise MemoryBudgetError(
             f"host RAM too small: this run needs {_g(need):.1f} GiB ({_g(p.host_states):.1f} GiB of offloaded "
-            f"states per rank + baseline"
+            f"states per rank + baseline + one export shard"
             f"{'' if on_gpu else ' + the model, buckets and activations a CPU run keeps there'}"
             f") but {_g(p.host_available):.1f} GiB is available, {_g(need - p.host_available):.1f} GiB short; "
             f"use {', or '.join(fixes)}"
@@ -113,7 +114,7 @@ def _preflight_plan(cfg: TrainConfig, micro_batch: int, world_size: int, on_gpu:
 
 def _host_need(p: Plan, on_gpu: bool) -> int:
     # on a CPU run the "GPU" side (weights, buckets, activations) lives in host RAM too
-    return p.host_total + (0 if on_gpu else p.gpus * p.gpu_allocated)
+    return p.host_export + (0 if on_gpu else p.gpus * p.gpu_allocated)
 
 
 def _gpu_limit(cfg: TrainConfig, gpu_mem: int | str | None) -> tuple[int | None, str]:
@@ -144,6 +145,8 @@ def _make_plan(cfg: TrainConfig, *, gpus: int, gpu_limit: int | None, gpu_limit_
     lengths = Lengths(cfg.src_len, cfg.tgt_len) if shape.encoder_decoder else Lengths(cfg.seq_len, cfg.seq_len)
     if cfg.pack and shape.encoder_decoder:
         raise ConfigError(f"--pack is for causal LMs; {cfg.model} is seq2seq: drop --pack")
+    if cfg.pack and shape.pack_refusal:
+        raise ConfigError(shape.pack_refusal)
     if cfg.pack:  # the lengths above are the worst case of padded batches, and every packed batch's
         notes = [*notes, f"--pack: every batch is full ({cfg.seq_len} tokens per row), so every step takes this memory"]
     auto = cfg.batch_size == "auto"
@@ -158,6 +161,10 @@ def _make_plan(cfg: TrainConfig, *, gpus: int, gpu_limit: int | None, gpu_limit_
                 bucket=int(float(zero.get("reduce_bucket_size", 5e8))), overlap_comm=bool(zero.get("overlap_comm")),
                 pin_memory=bool(offload_cfg.get("pin_memory", False)), on_gpu=on_gpu,
                 delayed_update=cfg.delayed_update,
+                fused_loss=backend_for(shape.model_type, device="cuda" if on_gpu else "cpu", precision=cfg.precision,
+                                       encoder_decoder=shape.encoder_decoder,
+                                       router_loss=bool(getattr(config, "output_router_logits", False)))
+                if cfg.fused_loss else None,
                 pipelined_update=(mode or step_mode.for_config(cfg, world_size=gpus, on_gpu=on_gpu, ds=ds)).name
                 == step_mode.PIPELINED)
 

@@ -32,6 +32,7 @@ class ModelShape:
     act: str
     gated: bool
     dropout: bool
+    pack_refusal: str | None = None  # why --pack cannot train this causal LM exactly (fitone.packing); None: it can
 
 
 def _first(config: Any, names: tuple[str, ...], default: Any = None) -> Any:
@@ -62,6 +63,7 @@ _SHAPES: dict[tuple[str, bool, str | None], tuple[ModelShape, tuple[str, ...]]] 
 
 def _model_shape(name: str, from_scratch: bool, config: Any = None) -> tuple[ModelShape, tuple[str, ...]]:
     from fitone.models import build_model, load_config, shipped_models
+    from fitone.packing import pack_refusal
 
     notes: list[str] = []
     if config is None and not from_scratch and name in shipped_models() and not Path(name).exists():
@@ -105,6 +107,7 @@ def _model_shape(name: str, from_scratch: bool, config: Any = None) -> tuple[Mod
         act=act,
         gated=bool(getattr(config, "is_gated_act", False)) or family == "llama",
         dropout=dropout,
+        pack_refusal=None if enc_dec else pack_refusal(config),
     )
     if family == "generic":
         notes.append(f"no activation formula for model_type {shape.model_type!r}: used a generic one from hidden "

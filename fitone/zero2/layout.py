@@ -9,6 +9,9 @@ Why each exists (measured in bench/results/2026-11-30-issue19/):
 - DeepSpeed's offload keeps, besides the fp32 master, gradients and Adam's moments (16 B/param), a
   16-bit staging copy of the weights (2 B/param, its own step uploads from it), a pinned 16-bit buffer
   per parameter for gradient accumulation, and every pinned block rounded up to a power of two.
+- Its fp32 gradient buffer (4 B/param) only ever holds 16-bit numbers: the GPU sums the micro-batches in 16
+  bits and widens the sum at the copy. The lean layout keeps them in 16 bits (2 B/param) and widens a chunk
+  at a time before Adam: the same numbers (bench/NOTES.md, 2026-12-01, third session).
 """
 
 from __future__ import annotations
@@ -19,24 +22,37 @@ from typing import Any, Iterator
 import torch
 
 GROUP_ELEMENTS = 2**27  # 256 MiB of 16-bit weights per group: the init peak's extra is about two of these
+CHUNK_ELEMENTS = 32 * 2**20  # the lean layout's unit of work on its gradients: the GPU sums, the fp32 upcast
+# a gradient larger than this is normed in pieces of it (LeanHost._lean_norm): only embeddings of large
+# vocabularies are; every smaller one keeps DeepSpeed's norm bit for bit
+NORM_CHUNK_ELEMENTS = CHUNK_ELEMENTS
 
 
 def param_groups(model: torch.nn.Module, max_elements: int | None = None) -> list[dict[str, Any]]:
     """The trainable parameters in declaration order, cut into consecutive groups of at most `max_elements`
     (a larger single tensor gets a group of its own). The optimizer's settings are the same for every
     group, so the arithmetic is the one-group arithmetic, element for element."""
-    max_elements = max_elements or GROUP_ELEMENTS
+    params = [p for p in model.parameters() if p.requires_grad]
     groups: list[list[torch.nn.Parameter]] = []
-    size = 0
-    for p in model.parameters():
-        if not p.requires_grad:
-            continue
-        if not groups or size + p.numel() > max_elements:
+    for p, g in zip(params, group_of_each([p.numel() for p in params], max_elements)):
+        if g == len(groups):
             groups.append([])
+        groups[g].append(p)
+    return [{"params": group} for group in groups]
+
+
+def group_of_each(numels: list[int], max_elements: int | None = None) -> list[int]:
+    """The group param_groups puts each of these tensor sizes in, in order (the plan sizes the init by it)."""
+    max_elements = max_elements or GROUP_ELEMENTS
+    groups, size = [], 0
+    for n in numels:
+        if not groups or size + n > max_elements:
+            groups.append(groups[-1] + 1 if groups else 0)
             size = 0
-        groups[-1].append(p)
-        size += p.numel()
-    return [{"params": params} for params in groups]
+        else:
+            groups.append(groups[-1])
+        size += n
+    return groups
 
 
 def world_size(opt: Any) -> int:
@@ -56,77 +72,205 @@ def lean_offload_config(ds: dict[str, Any]) -> dict[str, Any]:
 
 class LeanHost:
     """A ZeRO-2 CPU-offload optimizer holding only what its arithmetic needs on the host: the fp32 master,
-    the fp32 gradients and Adam's two moments (16 B/param).
+    the gradients in the 16 bits DeepSpeed sums them in, and Adam's two moments (14 B/param; fp32 training
+    keeps DeepSpeed's fp32 gradients, 16 B/param).
 
-    - DeepSpeed's step stages each group's new 16-bit weights on the host before the upload, one group
-      after another; every group's staging buffer here is a view of one scratch buffer the size of the
-      largest group (DeepSpeed's first step uses it; the pipelined update uploads fp32 chunks instead).
-    - Between micro-batches, DeepSpeed keeps the 16-bit gradient sum so far in a host buffer of its own per
-      parameter. Here that buffer is the first half of the parameter's slot in the fp32 gradient buffer:
-      the same 16-bit values (so DeepSpeed's arithmetic, bit for bit), overwritten by the fp32 gradient at
-      the boundary as before. DeepSpeed creates a buffer only where none is registered.
-    - On a GPU the fp32 master and gradient buffers are page-locked in place (cudaHostRegister: no copy, no
-      rounding), so the gradient copies and the uploads stay asynchronous.
+    - The gradients (`gradients`, one flat buffer per group) are the 16-bit values DeepSpeed would have
+      widened to fp32 on the GPU before the copy (`grad16.float()`), so they say the same numbers in half the
+      bytes. Adam reads them through `fp32_gradient`, a chunk at a time widened into one fp32 scratch chunk.
+    - Between micro-batches the 16-bit sum so far lives in the parameter's slot of those buffers (DeepSpeed
+      keeps a host buffer of its own per parameter, and creates one only where none is registered), and is
+      overwritten by the whole step's gradient at the boundary, as DeepSpeed's boundary copy overwrites it.
+    - Nothing the size of the largest parameter or group is held: the sums between micro-batches go up in
+      chunks of `chunk_elements` through a small GPU buffer; DeepSpeed's 16-bit weight staging and its unused
+      host gradient buffer are released. DeepSpeed's own step needed both, and a whole fp32 gradient: it is
+      refused here, and the pipelined update runs its arithmetic chunk by chunk instead (`fitone.zero2.overlap`).
+    - On a GPU the fp32 master and the gradient buffers are page-locked in place (cudaHostRegister: no copy,
+      no rounding), so the gradient copies and the uploads stay asynchronous.
 
     One rank only (the pipelined update's case), where every parameter lies whole in the partition.
     """
 
-    def __init__(self, optimizer: Any):
+    def __init__(self, optimizer: Any, chunk_elements: int | None = None):
         if not getattr(optimizer, "cpu_offload", False) or optimizer.cpu_offload_pin_memory:
             raise ValueError("the lean host layout needs ZeRO-2's CPU offload built with pin_memory false")
+        if optimizer.gradient_accumulation_dtype != optimizer.dtype:
+            raise ValueError("the lean host layout keeps the gradients in the dtype DeepSpeed sums them in: "
+                             "drop data_types.grad_accum_dtype from the DeepSpeed config")
         self.opt = optimizer
+        self.chunk_elements = chunk_elements or CHUNK_ELEMENTS
         self._registered: list[int] = []  # host addresses page-locked here, unregistered in close()
-        staging = optimizer.param_buffer_of_bit16_for_cpu_offload_groups
-        scratch = staging[0].new_empty(max(b.numel() for b in staging))  # a pageable copy to the GPU returns
-        for i, buffer in enumerate(staging):  # once the source is read, so the next group may reuse it
-            staging[i] = scratch[:buffer.numel()].view_as(buffer)
+        self._release_unused_buffers()
+        self.gradients = self._gradient_buffers()
+        optimizer._get_offload_gradient_dict = self._offload_gradient_dict  # shadows the method on this optimizer
+        self._offload_gradient_dict()
+        self._upcast = self._upcast_scratch()
         self._accumulate_in_gradient_buffers()
         self._lean_accumulation()
+        self._lean_boundary_copy()
+        self._lean_norm()
+        optimizer.step = _refuse_deepspeeds_step
         if optimizer.bit16_groups_flat[0].is_cuda:
-            for master in optimizer.single_partition_of_fp32_groups:
+            for master, grads in zip(optimizer.single_partition_of_fp32_groups, self.gradients):
                 self._register(master.data)
-                self._register(master.grad)
+                self._register(grads)
+
+    # -- building the layout --------------------------------------------------------------------------
+    def _release_unused_buffers(self) -> None:
+        """DeepSpeed's 16-bit weight staging (only its own step uploads from it), its host buffer for the
+        largest gradient (read by no offload path), and its GPU buffer for the largest parameter's sum so
+        far, cut to one chunk (the adds below go chunk by chunk)."""
+        opt = self.opt
+        staging = opt.param_buffer_of_bit16_for_cpu_offload_groups
+        for i, buffer in enumerate(staging):
+            staging[i] = buffer.new_empty(0)
+        opt.temp_grad_buffer_for_cpu_offload = opt.temp_grad_buffer_for_cpu_offload.new_empty(0)
+        carried = opt.temp_grad_buffer_for_gpu_offload
+        opt.temp_grad_buffer_for_gpu_offload = None  # freed before its successor is allocated
+        opt.temp_grad_buffer_for_gpu_offload = torch.zeros(min(carried.numel(), self.chunk_elements),
+                                                           dtype=carried.dtype, device=carried.device)
+
+    def _gradient_buffers(self) -> list[torch.Tensor]:
+        """One flat gradient buffer per group in the dtype of the GPU's gradients, in place of DeepSpeed's fp32
+        ones (fp32 training: DeepSpeed's own). Each fp32 buffer is let go before its successor exists."""
+        opt = self.opt
+        for views in opt.offload_gradient_dict.values():  # views of the fp32 buffers (DeepSpeed's hp mapping)
+            views.clear()
+        buffers = []
+        for i, master in enumerate(opt.single_partition_of_fp32_groups):
+            dtype = opt.bit16_groups_flat[i].dtype
+            if dtype == master.grad.dtype:
+                buffers.append(master.grad)
+                continue
+            master.grad = None  # DeepSpeedCPUAdam would skip such a group: its step is refused (__init__)
+            buffers.append(torch.zeros(master.numel(), dtype=dtype, device=master.device))  # as DeepSpeed's
+        return buffers
+
+    def _upcast_scratch(self) -> torch.Tensor | None:
+        if all(g.dtype == torch.float32 for g in self.gradients):
+            return None
+        largest = max(g.numel() for g in self.gradients)
+        return torch.empty(min(largest, self.chunk_elements), dtype=torch.float32)
+
+    def _offload_gradient_dict(self) -> None:
+        """DeepSpeed's per-parameter views of the host gradients (`_get_offload_gradient_dict`, what
+        safe_get_full_grad reads), on these buffers: rebuilt at init and whenever DeepSpeed relinks after a
+        checkpoint load."""
+        opt = self.opt
+        for i, params in enumerate(opt.params_in_partition):
+            views = []
+            for p in params:
+                _, _, dest_offset, n = opt.grad_position[opt.get_param_id(p)]
+                views.append(self.gradients[i].narrow(0, dest_offset, n))
+            opt.offload_gradient_dict[i] = views
 
     def _accumulate_in_gradient_buffers(self) -> None:
         opt = self.opt
         for i, params in enumerate(opt.params_in_partition):
-            dtype = opt.bit16_groups_flat[i].dtype
-            per_slot = 4 // torch.tensor([], dtype=dtype).element_size()  # 16-bit: two per fp32 slot; fp32: one
-            slots = opt.single_partition_of_fp32_groups[i].grad.view(dtype)
             for p in params:
                 param_id = opt.get_param_id(p)
                 _, source_offset, dest_offset, n = opt.grad_position[param_id]
                 if source_offset != 0 or n != p.numel():
                     raise ValueError("the lean host layout runs on one rank (each parameter whole in the partition)")
-                opt.accumulated_grads_in_cpu[param_id] = slots.narrow(0, per_slot * dest_offset, n)
+                opt.accumulated_grads_in_cpu[param_id] = self.gradients[i].narrow(0, dest_offset, n)
 
     def _lean_accumulation(self) -> None:
         """DeepSpeed's accumulation between micro-batches (async_accumulate_grad_in_cpu_via_gpu), the same
-        16-bit adds on the GPU in the same order, without two costs that protect what this layout does not
-        have (bench/NOTES.md, 2026-12-01):
+        16-bit adds on the GPU in the same order, in chunks, without two costs that protect what this layout
+        does not have (bench/NOTES.md, 2026-12-01):
         - its host wait, per parameter, for every earlier gradient copy: a pageable host buffer is read when
           its copy is queued, not in stream order, but these are page-locked (on a GPU) or not copied
           asynchronously at all (on a CPU). The wait kept the next layer's backward from being queued
           beside the copies. The copies are still recorded, so the step's own wait before the update
           reads the buffers stays.
-        - at the accumulation boundary, its copy of the 16-bit sum to the host: the fp32 gradient copied
-          right after it, on the same stream, overwrites that slot (`_accumulate_in_gradient_buffers`).
+        - at the accumulation boundary, its copy of the 16-bit sum to the host: the boundary copy right after
+          it, on the same stream, overwrites that slot (`_lean_boundary_copy`).
+        The sum so far comes up chunk by chunk through one chunk-sized GPU buffer (DeepSpeed's is as large as
+        the largest parameter): copies and adds are queued on one stream, so a chunk's copy lands only after
+        the last chunk's add has read the buffer. An add is elementwise: chunked, the same bits.
         """
-        opt = self.opt
+        opt, chunk = self.opt, self.chunk_elements
 
         def accumulate(param: torch.nn.Parameter) -> None:
             held = opt.accumulated_grads_in_cpu[opt.get_param_id(param)].view(-1)
             grad = opt.get_param_gradient_attribute(param).data.view(-1)
             if opt.micro_step_id > 0:
-                # a reused GPU buffer, as DeepSpeed's: the copy and the add are queued on one stream
-                carried = opt.temp_grad_buffer_for_gpu_offload.view(-1).narrow(0, 0, param.numel())
-                carried.copy_(held, non_blocking=True)
-                grad.add_(carried)
+                for lo in range(0, grad.numel(), chunk):
+                    hi = min(lo + chunk, grad.numel())
+                    carried = opt.temp_grad_buffer_for_gpu_offload.narrow(0, 0, hi - lo)
+                    carried.copy_(held[lo:hi], non_blocking=True)
+                    grad[lo:hi].add_(carried)
             if not opt.is_gradient_accumulation_boundary():
                 held.copy_(grad, non_blocking=True)
             opt._record_offload_copy()
 
+        def restore(param: torch.nn.Parameter) -> None:
+            raise ValueError("the lean host layout runs DeepSpeed's managed gradient accumulation: drop "
+                             "managed_gradient_accumulation false from the DeepSpeed config")
+
         opt.async_accumulate_grad_in_cpu_via_gpu = accumulate  # shadows the method on this optimizer only
+        opt._restore_cpu_offload_grad_to_gpu = restore  # unmanaged mode's, sized by the buffer cut above
+
+    def _lean_boundary_copy(self) -> None:
+        """DeepSpeed's copy of a parameter's whole-step gradient to the host (async_inplace_copy_grad_to_fp32_
+        buffer_from_gpu), without its widening to fp32 on the GPU (a transient fp32 copy of the parameter):
+        the 16-bit values go down as they are, half the bytes, and `fp32_gradient` widens them on the host."""
+        from deepspeed.accelerator import get_accelerator
+
+        opt = self.opt
+
+        def copy_to_host(param: torch.nn.Parameter) -> None:
+            i, source_offset, dest_offset, n = opt.grad_position[opt.get_param_id(param)]
+            grad = opt.get_param_gradient_attribute(param)
+            assert grad is not None
+            stream = get_accelerator().current_stream()
+            if opt._offload_gradient_safety_enabled:  # as DeepSpeed: a slot may last have been written elsewhere
+                for producer, event in opt._pending_offload_events.items():
+                    if producer != stream:
+                        stream.wait_event(event)
+            self.gradients[i].narrow(0, dest_offset, n).copy_(grad.view(-1).narrow(0, source_offset, n),
+                                                             non_blocking=True)
+            opt._record_gradient_stream(grad, stream)
+            opt._record_offload_copy()
+            opt.clear_grad_attribute(param)
+
+        opt.async_inplace_copy_grad_to_fp32_buffer_from_gpu = copy_to_host  # on this optimizer only
+
+    def _lean_norm(self) -> None:
+        """DeepSpeed's norm of each parameter's gradient at the boundary (set_norm_for_param_grad_in_gpu) widens
+        the whole gradient to fp64 first: 8 bytes per element of the largest parameter on the GPU (4 GiB for a
+        128k-vocabulary embedding). A parameter larger than one chunk is normed a chunk at a time instead, in
+        fp64, and the chunks' norms combined in fp64. That rounds differently from one fp64 norm, by about
+        1e-16 relative; DeepSpeed rounds the total to fp32 before it is used (the clip factor, the overflow
+        vote), so the two agree unless the total lies that close to an fp32 rounding midpoint. Parameters of
+        NORM_CHUNK_ELEMENTS or less (every one in the CPU suite) get DeepSpeed's own norm, bit for bit."""
+        from deepspeed.runtime.zero.utils import get_norm_dtype
+
+        opt, chunk, own = self.opt, NORM_CHUNK_ELEMENTS, self.opt.set_norm_for_param_grad_in_gpu
+
+        def norm(param: torch.nn.Parameter) -> None:
+            _, source_offset, _, n = opt.grad_position[opt.get_param_id(param)]
+            if n <= chunk:
+                return own(param)
+            grad = opt.get_param_gradient_attribute(param)
+            grad = (param.grad if grad is None else grad).data.view(-1).narrow(0, source_offset, n)
+            dtype = get_norm_dtype()
+            parts = torch.stack([grad[lo:lo + chunk].to(dtype).norm(2) for lo in range(0, n, chunk)])
+            opt.norm_for_param_grads[opt.get_param_id(param)] = parts.norm(2)
+
+        opt.set_norm_for_param_grad_in_gpu = norm  # shadows the method on this optimizer only
+
+    # -- what the update reads ------------------------------------------------------------------------
+    def fp32_gradient(self, i: int, lo: int, hi: int) -> torch.Tensor:
+        """Elements [lo, hi) of group i's gradient in fp32 (at most `chunk_elements` of them): the buffer
+        itself in fp32 training, else widened into the one scratch chunk, valid until the next call. The
+        widening is exact: every 16-bit number is an fp32 number."""
+        grads = self.gradients[i][lo:hi]
+        if grads.dtype == torch.float32:
+            return grads
+        if hi - lo > self._upcast.numel():
+            raise ValueError(f"{hi - lo} elements asked for at once; the scratch holds {self._upcast.numel()}")
+        return self._upcast[:hi - lo].copy_(grads)
 
     def _register(self, tensor: torch.Tensor) -> None:
         if tensor.numel() == 0 or tensor.is_pinned():
@@ -143,15 +287,20 @@ class LeanHost:
         moments = sum(t.numel() * t.element_size() for m in masters for k, t in opt.optimizer.state[m].items()
                       if isinstance(t, torch.Tensor) and k in ("exp_avg", "exp_avg_sq"))
         return {"fp32 master": sum(m.numel() * 4 for m in masters),
-                "fp32 gradients": sum(m.grad.numel() * 4 for m in masters),
+                "gradients": sum(g.numel() * g.element_size() for g in self.gradients),
                 "Adam moments": moments,
-                "16-bit staging": max(b.untyped_storage().nbytes()
-                                      for b in opt.param_buffer_of_bit16_for_cpu_offload_groups)}
+                "fp32 upcast": 0 if self._upcast is None else self._upcast.numel() * 4}
 
     def close(self) -> None:
         """Unlock the pages before DeepSpeed frees the buffers (the driver must not keep recycled pages)."""
         while self._registered:
             torch.cuda.cudart().cudaHostUnregister(self._registered.pop())
+
+
+def _refuse_deepspeeds_step(closure: Any = None) -> None:
+    raise RuntimeError("DeepSpeed's own step cannot run on the lean host layout (it reads one fp32 gradient "
+                       "buffer per group, which the layout does not hold): fitone.zero2.overlap.PipelinedUpdate "
+                       "steps it")
 
 
 def regroup_saved_state(saved: dict[str, Any], opt: Any) -> dict[str, Any]:

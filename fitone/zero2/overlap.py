@@ -20,8 +20,12 @@ from typing import Any
 
 import torch
 
+from fitone.zero2.layout import CHUNK_ELEMENTS
 
-UPLOAD_CHUNK = 32 * 2**20  # elements per pipelined Adam + upload chunk (two fp32 chunks on the GPU: 256 MiB)
+UPLOAD_CHUNK = CHUNK_ELEMENTS  # elements per pipelined Adam + upload chunk (two fp32 chunks on the GPU: 256 MiB)
+# DeepSpeedCPUAdam's C++ step runs whole SIMD blocks (up to 16 lanes x 8) and a scalar tail: chunks cut at
+# multiples of this give every element the path DeepSpeed's one call per group gives it
+SIMD_BLOCK = 256
 
 
 class _OverlappedStep:
@@ -50,7 +54,7 @@ class _OverlappedStep:
     # -- the step DeepSpeed's engine calls ------------------------------------------------------------
     def step(self, closure: Any = None) -> None:
         if self.applied < self.after:
-            self._plain_step()
+            self._first_step()
             self.applied += not self.opt.overflow
             return
         decided = self._prologue()
@@ -58,9 +62,14 @@ class _OverlappedStep:
             self._launch(*decided)
             self.applied += 1
 
-    def _prologue(self) -> tuple[float | None, list[dict[str, Any]]] | None:
+    def _first_step(self) -> None:
+        """One of the first `after` steps: DeepSpeed's own, applied before it returns."""
+        self._plain_step()
+
+    def _prologue(self) -> tuple[torch.Tensor | None, list[dict[str, Any]]] | None:
         """DeepSpeed's step up to the update: host gradients complete, overflow, norm, loss scale.
-        Returns (combined scale, hyperparameters per group), or None for a dropped (overflowed) step."""
+        Returns (DeepSpeed's scaled global gradient norm, hyperparameters per group), or None for a dropped
+        (overflowed) step."""
         from deepspeed.runtime.utils import is_invalid_grad_norm
         from deepspeed.runtime.zero.stage_1_and_2 import INITIAL_MICRO_STEP_ID
 
@@ -89,9 +98,9 @@ class _OverlappedStep:
             return None
         if norm is not None:
             opt._global_grad_norm = norm / prev_scale
-        hyper = [dict(lr=g["lr"], betas=g["betas"], eps=g["eps"], weight_decay=g["weight_decay"])
-                 for g in opt.optimizer.param_groups]
-        return self._combined_scale(norm), hyper
+        hyper = [dict(lr=g["lr"], betas=g["betas"], eps=g["eps"], weight_decay=g["weight_decay"],
+                      bias_correction=g.get("bias_correction", True)) for g in opt.optimizer.param_groups]
+        return norm, hyper
 
     def _combined_scale(self, norm: torch.Tensor | None) -> float | None:
         """What DeepSpeed's unscale_and_clip_grads divides by (loss scale x clip factor), or None for 1."""
@@ -113,15 +122,16 @@ class _OverlappedStep:
 
     def _adam(self, i: int, grad: torch.Tensor, scale: float | None, hyper: dict[str, Any], step: int,
               lo: int = 0, hi: int | None = None) -> None:
-        """AdamW on elements [lo, hi) of group i's fp32 master and DeepSpeedCPUAdam's states for it, with
-        the unscale/clip folded in (one pass over the gradients instead of DeepSpeed's two)."""
+        """AdamW on elements [lo, hi) of group i's fp32 master and DeepSpeedCPUAdam's states for it, from
+        `grad` (those elements' fp32 gradient), with the unscale/clip folded in (one pass over the gradients
+        instead of DeepSpeed's two)."""
         opt, adam = self.opt, self.opt.optimizer
         master = opt.single_partition_of_fp32_groups[i]
         state = adam.state[master]
         fused = torch._fused_adamw_ if getattr(adam, "adam_w_mode", True) else torch._fused_adam_
         beta1, beta2 = hyper["betas"]
         sl = slice(lo, hi)
-        fused([master.data[sl]], [grad[sl]], [state["exp_avg"][sl]], [state["exp_avg_sq"][sl]], [],
+        fused([master.data[sl]], [grad], [state["exp_avg"][sl]], [state["exp_avg_sq"][sl]], [],
               [torch.tensor(float(step))], lr=hyper["lr"], beta1=beta1, beta2=beta2,
               weight_decay=hyper["weight_decay"], eps=hyper["eps"], amsgrad=False, maximize=False,
               grad_scale=torch.tensor(scale) if scale is not None else None, found_inf=None)
@@ -137,7 +147,7 @@ class _OverlappedStep:
         state["step"] += 1
         return state["step"]
 
-    def _launch(self, scale: float | None, hyper: list[dict[str, Any]]) -> None:
+    def _launch(self, norm: torch.Tensor | None, hyper: list[dict[str, Any]]) -> None:
         raise NotImplementedError
 
     def before_backward(self) -> None:
@@ -176,8 +186,9 @@ class DelayedUpdate(_OverlappedStep):
         self.spare: list[torch.Tensor] | None = None  # the second gradient buffer per group, made on first use
         self._uploaded: Any = None  # a CUDA event after the last upload: the staging buffers are free after it
 
-    def _launch(self, scale: float | None, hyper: list[dict[str, Any]]) -> None:
+    def _launch(self, norm: torch.Tensor | None, hyper: list[dict[str, Any]]) -> None:
         self.sync()  # step N-1's weights go up now; the GPU then runs step N+1 while the CPU does step N
+        scale = self._combined_scale(norm)
         grads = self._swap_gradient_buffers()
         self._release_step_buffers()
         steps = [self._next_step(i) for i in range(len(grads))]
@@ -247,19 +258,34 @@ class PipelinedUpdate(_OverlappedStep):
     declared, which is close to the order the forward uses them), runs while step N+1's forward runs.
     Each chunk's fp32 master weights go up as they are and are cast to 16 bits on the GPU.
 
+    On the lean host layout (`host`, fitone.zero2.layout.LeanHost; the engine's case) each chunk's gradient
+    is widened from the layout's 16-bit buffer as Adam reaches it, and the first `after` steps, which are
+    DeepSpeed's arithmetic, run the same chunks through DeepSpeed's unscale/clip and DeepSpeedCPUAdam's C++
+    step, applied before `step` returns: DeepSpeed's own step would need a whole fp32 gradient. Without
+    `host`, on DeepSpeed's own layout, its fp32 gradients are read and its own step runs first.
+
     One process only: with several ranks the updated partitions would have to be all-gathered before any
     forward could use them. `model` is the engine's module (forward pre-hooks go on its submodules).
     """
 
     name = "pipelined update"
 
-    def __init__(self, optimizer: Any, model: torch.nn.Module, *, after: int, chunk_elements: int = UPLOAD_CHUNK):
+    def __init__(self, optimizer: Any, model: torch.nn.Module, *, after: int, chunk_elements: int | None = None,
+                 host: Any = None):
+        """chunk_elements: per Adam + upload chunk (default: the lean layout's chunk, else UPLOAD_CHUNK)."""
         super().__init__(optimizer, after=after)
         from fitone.zero2.layout import world_size
 
         if world_size(optimizer) > 1:
             self.close()
             raise ValueError("the pipelined update runs on one GPU (one rank)")
+        chunk_elements = chunk_elements or (host.chunk_elements if host is not None else UPLOAD_CHUNK)
+        if host is not None and (chunk_elements % SIMD_BLOCK or chunk_elements > host.chunk_elements
+                                 or not hasattr(optimizer.optimizer, "ds_opt_adam")):
+            self.close()
+            raise ValueError(f"the pipelined update on the lean layout runs DeepSpeedCPUAdam in chunks of a "
+                             f"multiple of {SIMD_BLOCK} elements, at most the layout's {host.chunk_elements}")
+        self.host = host
         self.chunks = self._plan_chunks(chunk_elements)  # per group: chunk ends (exclusive), ascending
         self.ready: list[list[threading.Event]] = []  # per group and chunk: set by the thread when uploaded
         self.uploaded: list[list[Any]] = []  # per group and chunk: a CUDA event (None on the CPU)
@@ -327,11 +353,20 @@ class PipelinedUpdate(_OverlappedStep):
         for i, ends in enumerate(self.chunks if self.ready else []):
             self._wait_for(i, len(ends) - 1)
 
-    def _launch(self, scale: float | None, hyper: list[dict[str, Any]]) -> None:
+    def _first_step(self) -> None:
+        if self.host is None:
+            return super()._first_step()
+        decided = self._prologue()
+        if decided is not None:
+            self._launch(*decided, deepspeeds=True)
+            self.sync()
+
+    def _launch(self, norm: torch.Tensor | None, hyper: list[dict[str, Any]], deepspeeds: bool = False) -> None:
+        """Start the update in the thread; `deepspeeds`: with DeepSpeed's unscale/clip and CPU Adam."""
         self.sync()  # the previous update is complete (the forward and backward since needed all of it)
-        grads = [p.grad for p in self.opt.single_partition_of_fp32_groups]
+        grads = None if self.host is not None else [p.grad for p in self.opt.single_partition_of_fp32_groups]
         self._release_step_buffers()
-        steps = [self._next_step(i) for i in range(len(grads))]
+        steps = [self._next_step(i) for i in range(len(self.chunks))]
         self.ready = [[threading.Event() for _ in ends] for ends in self.chunks]
         self.uploaded = [[None] * len(ends) for ends in self.chunks]
         self.waited = [0] * len(self.chunks)
@@ -341,11 +376,33 @@ class PipelinedUpdate(_OverlappedStep):
         if self._side is not None:  # the copies must not overwrite weights the last backward still reads
             done = torch.cuda.Event()
             done.record()
-        self.pending = self._pool.submit(self._cpu_update, grads, scale, hyper, steps, done)
+        if deepspeeds:
+            kernel, scale = self._deepspeeds_adam, norm
+        else:
+            kernel, scale = self._adam, self._combined_scale(norm)
+        self.pending = self._pool.submit(self._cpu_update, kernel, grads, scale, hyper, steps, done)
 
-    def _cpu_update(self, grads: list[torch.Tensor], scale: float | None, hyper: list[dict[str, Any]],
+    def _gradient(self, grads: list[torch.Tensor] | None, i: int, lo: int, hi: int) -> torch.Tensor:
+        return self.host.fp32_gradient(i, lo, hi) if grads is None else grads[i][lo:hi]
+
+    def _deepspeeds_adam(self, i: int, grad: torch.Tensor, norm: torch.Tensor | None, hyper: dict[str, Any],
+                         step: int, lo: int, hi: int) -> None:
+        """DeepSpeed's step on elements [lo, hi) of group i: its unscale_and_clip_grads on their fp32 gradient
+        (in place), then DeepSpeedCPUAdam's C++ update of them. Both are elementwise, and the C++ optimizer
+        moves its bias-correction powers only when the step count does, so chunk after chunk gives the bits
+        of its one call per group (chunks on SIMD_BLOCK boundaries: each element takes the same SIMD path)."""
+        opt, adam = self.opt, self.opt.optimizer
+        opt.unscale_and_clip_grads([grad], norm)
+        master = opt.single_partition_of_fp32_groups[i]
+        state = adam.state[master]
+        beta1, beta2 = hyper["betas"]
+        adam.ds_opt_adam.adam_update(adam.opt_id, step, hyper["lr"], beta1, beta2, hyper["eps"],
+                                     hyper["weight_decay"], hyper["bias_correction"], master.data[lo:hi], grad,
+                                     state["exp_avg"][lo:hi], state["exp_avg_sq"][lo:hi])
+
+    def _cpu_update(self, kernel: Any, grads: list[torch.Tensor] | None, scale: Any, hyper: list[dict[str, Any]],
                     steps: list[int], backward_done: Any) -> dict[str, float]:
-        """Adam and the upload, chunk by chunk (background thread); returns its timing."""
+        """Adam (`kernel`) and the upload, chunk by chunk (background thread); returns its timing."""
         opt = self.opt
         try:
             if backward_done is not None:
@@ -354,13 +411,12 @@ class PipelinedUpdate(_OverlappedStep):
             start = time.perf_counter()
             adam_s = 0.0
             k = 0  # chunks uploaded: alternates the two landing buffers
-            for i, grad in enumerate(grads):
-                master = opt.single_partition_of_fp32_groups[i]
+            for i, master in enumerate(opt.single_partition_of_fp32_groups):
                 target = opt.parallel_partitioned_bit16_groups[i][0]
                 lo = 0
                 for c, hi in enumerate(self.chunks[i]):
                     t0 = time.perf_counter()
-                    self._adam(i, grad, scale, hyper[i], steps[i], lo, hi)
+                    kernel(i, self._gradient(grads, i, lo, hi), scale, hyper[i], steps[i], lo, hi)
                     adam_s += time.perf_counter() - t0
                     if self._side is not None:  # the side stream runs chunks in order: a landing buffer is
                         landing = self._landing[k % 2][:hi - lo]  # free once the cast two chunks back is done

@@ -14,6 +14,10 @@ from fitone.config import TrainConfig
 from fitone.errors import ConfigError
 
 DEEPSPEED, PIPELINED, DELAYED = "deepspeed", "pipelined", "delayed"
+# DeepSpeed's names for a dtype in its config (deepspeed.runtime.config_utils.DtypeEnum)
+_DTYPE_NAMES = {"fp32": {"fp32", "float32", "float", "torch.float32"},
+                "fp16": {"fp16", "float16", "half", "torch.float16"},
+                "bf16": {"bf16", "bfloat16", "bfloat", "torch.bfloat16"}}
 
 
 @dataclass(frozen=True)
@@ -43,7 +47,8 @@ def decide(ds: dict[str, Any], *, delayed_update: bool, delayed_update_after: in
            world_size: int, on_gpu: bool) -> StepMode:
     """The step for these flags and `ds` (the DeepSpeed config, the user's --ds-config merged in); a flag that
     cannot be honoured is a ConfigError. A CPU device (nothing to overlap with) and a `ds` that moves the
-    optimizer off the CPU or swaps in torch.optim's Adam keep DeepSpeed's step unless one is asked for."""
+    optimizer off the CPU, swaps in torch.optim's Adam or sums the gradients in another dtype than the weights'
+    (data_types.grad_accum_dtype) keep DeepSpeed's step unless one is asked for."""
     optimizer = ds.get("optimizer") or {}
     # both overlapped modes run DeepSpeedCPUAdam's Adam(W) on its own states; torch_adam swaps in torch.optim's
     cpu_adam = (str(optimizer.get("type", "")).lower() in ("adam", "adamw")
@@ -52,6 +57,10 @@ def decide(ds: dict[str, Any], *, delayed_update: bool, delayed_update_after: in
     if asked and not cpu_adam:
         raise ConfigError(f"{asked} runs DeepSpeedCPUAdam's Adam/AdamW: drop the optimizer's type or torch_adam "
                           "from --ds-config, or drop the flag")
+    lean = not _sums_in_another_dtype(ds)  # the pipelined update's host layout holds the sums' dtype only
+    if pipelined_update and not lean:
+        raise ConfigError("--pipelined-update keeps the gradients in the weights' dtype, which DeepSpeed sums them "
+                          "in: drop data_types.grad_accum_dtype from --ds-config, or drop the flag")
     if pipelined_update and world_size > 1:
         raise ConfigError("--pipelined-update runs on one GPU: drop it under a launcher (several GPUs take "
                           "DeepSpeed's step)")
@@ -62,8 +71,15 @@ def decide(ds: dict[str, Any], *, delayed_update: bool, delayed_update_after: in
     else:
         zero = ds.get("zero_optimization") or {}
         offloaded = (zero.get("offload_optimizer") or {}).get("device") == "cpu"
-        one_gpu = PIPELINED if on_gpu and offloaded and cpu_adam else DEEPSPEED
+        one_gpu = PIPELINED if on_gpu and offloaded and cpu_adam and lean else DEEPSPEED
     return StepMode(one_gpu=one_gpu, world_size=world_size, delayed_after=delayed_update_after)
+
+
+def _sums_in_another_dtype(ds: dict[str, Any]) -> bool:
+    """Whether `ds` has DeepSpeed sum the micro-batches' gradients in a dtype other than the weights'."""
+    summed = (ds.get("data_types") or {}).get("grad_accum_dtype")
+    weights = next((p for p in ("bf16", "fp16") if (ds.get(p) or {}).get("enabled")), "fp32")
+    return summed is not None and str(summed).lower() not in _DTYPE_NAMES[weights]
 
 
 def for_config(cfg: TrainConfig, *, world_size: int, on_gpu: bool, ds: dict[str, Any] | None = None) -> StepMode:

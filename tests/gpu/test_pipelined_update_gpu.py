@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import weights
-from gpu_lane import LR, gpu_engine, needs_cuda, record, train_step
+from gpu_lane import LR, gpu_engine, masters, needs_cuda, record, train_step
 
 pytestmark = [pytest.mark.gpu, needs_cuda]
 
@@ -37,6 +37,8 @@ def run(precision: str, *, pipelined: bool, grad_accum: int) -> tuple[list[float
         if pipelined:
             assert len(engine.overlap.chunks[0]) > 1  # several chunks: later ones land while the forward runs
         assert engine.optimizer.single_partition_of_fp32_groups[0].is_pinned()  # what the uploads read
+        if pipelined:  # the lean layout's 16-bit gradients, page-locked in place: what the boundary copies write
+            assert all(g.is_pinned() and g.dtype == engine.optimizer.dtype for g in engine.host.gradients)
         if pipelined and grad_accum > 1:  # the lean layout's accumulation (no host wait), not DeepSpeed's
             assert "LeanHost" in engine.optimizer.async_accumulate_grad_in_cpu_via_gpu.__qualname__
         losses = [train_step(engine, step, grad_accum) for step in range(1, STEPS + 1)]
@@ -86,3 +88,37 @@ def test_the_pipelined_update_gives_deepspeeds_losses_and_weights_on_the_gpu(pre
     assert got_skipped == want_skipped  # fp16: the same steps overflowed while the loss scale settled
     assert loss_err <= u, (got_losses, want_losses)
     assert ratio[worst] <= 1, f"{worst}: gap {ratio[worst]:.3g} x its bound"
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_the_lean_layout_is_deepspeeds_layout_bit_for_bit_on_the_gpu(precision):
+    """The same pipelined update on DeepSpeed's own host layout (its pinned fp32 gradients and accumulation
+    buffers, its own first step) and on the lean one (16-bit gradients page-locked in place, the sums carried
+    up in chunks, the first step's DeepSpeed arithmetic chunk by chunk and uploaded as the pipelined update
+    uploads), 3 micro-batches a step: the same numbers, so every loss, master and 16-bit weight the same bits.
+    What only a GPU runs here: the 16-bit copies into page-locked memory, the chunked adds on the GPU, the
+    first step's side-stream uploads and its cast on the GPU (DeepSpeed casts on the host). gpt2's embedding
+    (38.6M elements) has its gradient norm taken by chunks on the lean side: the same to fp64 rounding, which
+    DeepSpeed's rounding of the global norm to fp32 hides unless it lies within ~1e-16 of an fp32 rounding
+    point (odds ~1e-9 a step); a failure here that starts with the norm is that, not a wrong sum."""
+    from fitone.zero2.overlap import PipelinedUpdate
+
+    grad_accum = 3
+    runs = {}
+    for lean in (False, True):
+        torch.cuda.reset_peak_memory_stats()
+        engine = gpu_engine(precision, pipelined=lean, grad_accum=grad_accum)
+        try:
+            if not lean:
+                engine.overlap = PipelinedUpdate(engine.optimizer, engine.module, after=1)
+            losses = [train_step(engine, step, grad_accum) for step in range(1, STEPS + 1)]
+            engine.sync_weights()
+            runs[lean] = (losses, weights(engine), masters(engine), engine.skipped_steps,
+                          torch.cuda.max_memory_allocated() / 2**30)
+        finally:
+            engine.close()
+    record(f"lean_vs_deepspeeds_layout[{precision}-accum{grad_accum}]", peak_gpu_gib=[runs[False][4], runs[True][4]],
+           losses_deepspeeds_layout=runs[False][0], losses_lean=runs[True][0])
+    assert runs[True][0] == runs[False][0] and runs[True][3] == runs[False][3]
+    assert all(torch.equal(runs[True][1][k], runs[False][1][k]) for k in runs[False][1])
+    assert all(torch.equal(a, b) for a, b in zip(runs[True][2], runs[False][2]))
