@@ -51,21 +51,24 @@ def free_disk_bytes(path: Path) -> int:
     return shutil.disk_usage(path).free
 
 
-def check_checkpoint_room(out: Path, *, checkpoint_bytes: int, keep: int, save_every: int, overwrite: bool) -> None:
+def check_checkpoint_room(out: Path, *, checkpoint_bytes: int, keep: int, save_every: int, overwrite: bool,
+                          saves: int | None = None) -> None:
     """Refuse --save-every where the disk under --out cannot hold the checkpoints the run keeps plus the one it
-    is writing: a save is complete on disk before the oldest is pruned, so the disk holds keep + 1 at its peak
-    (a resumed run's own checkpoints already on it count toward those; --overwrite deletes them first)."""
+    is writing: a save is complete on disk before the oldest is pruned, so the disk holds keep + 1 at its peak,
+    or fewer where the run writes fewer (`saves`, when its length is known). A resumed run's own checkpoints
+    already on the disk count toward those; --overwrite deletes them first."""
     held = [] if overwrite else checkpoint.complete_checkpoints(out)
     held_bytes = sum(f.stat().st_size for c in held for f in c.rglob("*") if f.is_file())
-    peak = (max(keep, len(held)) + 1) * checkpoint_bytes
+    at_peak = max(keep, len(held)) + 1 if saves is None else min(max(keep, len(held)) + 1, len(held) + saves)
+    peak = at_peak * checkpoint_bytes
     room = free_disk_bytes(out)
     if peak - held_bytes > room:
         raise RunDirError(
-            f"--save-every {save_every}: one checkpoint of this model is {gib(checkpoint_bytes):.2f} GiB, and keeping "
-            f"{keep} (--keep-checkpoints) needs room for {max(keep, len(held)) + 1} while the newest is written: "
-            f"{gib(peak):.2f} GiB{f' ({gib(held_bytes):.2f} of it already there)' if held else ''}, but {out} has "
-            f"{gib(room):.2f} GiB free; free disk space, lower --keep-checkpoints, or give an --out on a larger "
-            "disk (--no-preflight skips this check)")
+            f"--save-every {save_every}: one checkpoint of this model is {gib(checkpoint_bytes):.2f} GiB, and with "
+            f"--keep-checkpoints {keep} the disk holds {at_peak} at once (the newest is written before the oldest "
+            f"goes): {gib(peak):.2f} GiB{f' ({gib(held_bytes):.2f} of it already there)' if held else ''}, but "
+            f"{out} has {gib(room):.2f} GiB free; free disk space, lower --keep-checkpoints, or give an --out on a "
+            "larger disk (--no-preflight skips this check)")
 
 
 def setup_run_dir(out: Path, *, overwrite: bool, settings: dict[str, Any], report_sinks: list[str],

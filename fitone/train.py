@@ -264,8 +264,11 @@ class Trainer:
         from fitone.plan import model_shape
 
         n_params = model_shape(cfg, self.config)[0].n_params  # the pre-flight's (cached) meta build
+        first = int(checkpoint.read_state(self.resume_from)["step"]) if self.resume_from else 0
+        saves = None if cfg.max_steps is None else (cfg.max_steps - first) // cfg.save_every + 1  # + the end's
         check_checkpoint_room(Path(cfg.out), checkpoint_bytes=checkpoint.checkpoint_bytes(n_params, cfg.precision),
-                              keep=cfg.keep_checkpoints, save_every=cfg.save_every, overwrite=cfg.overwrite)
+                              keep=cfg.keep_checkpoints, save_every=cfg.save_every, overwrite=cfg.overwrite,
+                              saves=saves)
 
     def _setup_engine(self, model: torch.nn.Module) -> Engine:
         cfg = self.cfg
