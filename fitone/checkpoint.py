@@ -155,6 +155,53 @@ def save(engine: Engine, run_dir: str | Path, step: int, state: dict[str, Any], 
     return final
 
 
+# What a checkpoint holds, per parameter: the model states file has the weights as trained (16 or 32 bits), the
+# ZeRO-2 optimizer file the fp32 master and Adam's two fp32 moments (no gradients). Beside them: DeepSpeed's
+# zero_to_fp32.py helpers, the pickled names, shapes and slice mappings, the RNG, schedule and fitone's state
+# (67 KB for the tiny models; tests/test_checkpoint.py measures the bytes written against this).
+OPTIMIZER_BYTES_PER_PARAM = 12
+CHECKPOINT_OVERHEAD = 4 * 2**20
+
+
+def checkpoint_bytes(n_params: int, precision: str) -> int:
+    """Disk bytes of one checkpoint of a model with `n_params` parameters trained in `precision`
+    (fp16/bf16/fp32): 14 B/param in 16 bits, 16 in fp32, plus a little; for `--save-every`'s disk check
+    and the plan."""
+    weight_bytes = 4 if precision == "fp32" else 2
+    return n_params * (weight_bytes + OPTIMIZER_BYTES_PER_PARAM) + CHECKPOINT_OVERHEAD
+
+
+# torch.save pickles the names, shapes, slice mappings, RNG and schedule (well under 1 MiB for a 7B model) and
+# Python allocates a little around it: a cushion over the largest copy, so a save near the limit is not started
+SAVE_HOST_CUSHION = 64 * 2**20
+
+
+def save_host_bytes(engine: Engine) -> int:
+    """Host RAM a checkpoint save takes beyond what training already holds.
+
+    DeepSpeed's ZeRO-2 save hands torch.save the model's and the optimizer's own tensors (the optimizer state
+    as views of its flat buffers: stage_1_and_2.py's state_dict, no clones). torch.save writes a host tensor's
+    storage from where it lies and copies any other storage to the host one at a time, dropping each copy before
+    the next: so the peak adds the largest storage that is not on the host (a 16-bit weight group on a GPU; also
+    the optimizer's groups with --offload none) and nothing for what the CPU offload keeps on the host.
+    Measured: llama-7b's save peaked 0.24 GiB over its steps, its largest 16-bit group being 0.25 GiB
+    (bench/results/2026-11-30-issue19/).
+    """
+    tensors = list(engine.module.state_dict().values()) + _tensors(engine.optimizer.state_dict())
+    off_host = [t.untyped_storage().nbytes() for t in tensors if t.device.type != "cpu"]
+    return max(off_host, default=0) + SAVE_HOST_CUSHION
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    return []
+
+
 def prune(run_dir: str | Path, keep: int) -> None:
     for old in complete_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)

@@ -86,15 +86,28 @@ def cap_gpu_memory(cap_bytes: int) -> float:
     return fraction
 
 
+def allocator_settings(expandable_segments: bool) -> str:
+    """The CUDA caching allocator's settings a run gets: the user's PYTORCH_CUDA_ALLOC_CONF (or
+    PYTORCH_ALLOC_CONF) as given, which fitone leaves alone; else expandable segments or nothing."""
+    given = _given_allocator_settings()
+    if given is not None:
+        return given
+    return "expandable_segments:True" if expandable_segments else ""
+
+
+def _given_allocator_settings() -> str | None:
+    return os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")
+
+
 def use_expandable_segments(enabled: bool) -> bool:
     """Switch the CUDA caching allocator to expandable segments, before the first allocation.
 
     Without them a long-lived process fragments: a t5-3b probe on a 23 GiB cap saw micro-batch 306
     run out of memory after an earlier out-of-memory trial, while a fresh process trained it. An
-    allocator setting the user gave in PYTORCH_CUDA_ALLOC_CONF / PYTORCH_ALLOC_CONF is left alone.
-    Returns whether expandable segments are on.
+    allocator setting the user gave is left alone (`allocator_settings`). Returns whether expandable
+    segments are on.
     """
-    given = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")
+    given = _given_allocator_settings()
     if given is not None:
         return "expandable_segments:true" in given.replace(" ", "").lower()
     if enabled:

@@ -61,12 +61,13 @@ def _scalars(record: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def open_sinks(names: list[str], out: Path, config: dict[str, Any], *, resume_step: int = 0) -> list[Sink]:
-    """The --report-to loggers, each given the run's config once."""
+def open_sinks(names: list[str], out: Path, config: dict[str, Any], *, resume_step: int = 0,
+               verbose: bool = False) -> list[Sink]:
+    """The --report-to loggers, each given the run's config once; W&B's own lines only with `verbose`."""
     sinks: list[Sink] = []
     for name in names:
         sinks.append(TensorBoardSink(out / "tensorboard", config, resume_step) if name == "tensorboard"
-                     else WandbSink(out, config, resume_step))
+                     else WandbSink(out, config, resume_step, verbose=verbose))
     return sinks
 
 
@@ -92,7 +93,7 @@ class WandbSink:
     """W&B in DIR/wandb/. Offline (sync later with `wandb sync DIR/wandb/offline-run-*`) when WANDB_MODE
     does not say otherwise and there is no API key or the W&B server does not answer: never a login prompt."""
 
-    def __init__(self, out: Path, config: dict[str, Any], resume_step: int):
+    def __init__(self, out: Path, config: dict[str, Any], resume_step: int, *, verbose: bool = False):
         import wandb
 
         mode, why = wandb_mode()
@@ -101,8 +102,11 @@ class WandbSink:
                   flush=True)
         # mode None: wandb decides (its settings files, e.g. after `wandb offline`)
         try:
+            # silent unless --verbose: its ~25 lines (versions, where the run is, the history and summary at
+            # the end) would break up fitone's quiet output; fitone says where the run is and how to sync it
             self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "fitone"), dir=str(out), config=config,
-                                  mode=mode, name=out.name, resume="allow" if resume_step else None)
+                                  mode=mode, name=out.name, resume="allow" if resume_step else None,
+                                  settings=None if verbose else wandb.Settings(silent=True))
         except wandb.errors.Error as exc:  # e.g. WANDB_MODE=online without a key: no API key configured
             first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise ConfigError(f"--report-to wandb: {first} (or unset WANDB_MODE to log offline and "

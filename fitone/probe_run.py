@@ -18,6 +18,7 @@ needs an explicit max_batch (the notebook's demonstration gives 8), which the pl
 from __future__ import annotations
 
 import datetime as dt
+import glob
 import hashlib
 import json
 import os
@@ -500,8 +501,13 @@ def cache_dir() -> Path:
 
 def probe_key(cfg: TrainConfig, config: Any, device: str, mode: StepMode | None = None) -> dict[str, Any]:
     """Everything that decides how much memory a step takes (the weights' values do not). `mode`: the run's
-    step mode (decided here when not given); the key holds the one a one-GPU probe of it runs."""
+    step mode (decided here when not given); the key holds the one a one-GPU probe of it runs.
+
+    Not in it, because a trial's memory does not depend on them: the seed, lr and schedule, the run's length,
+    and the accumulation (a probe runs every step as an optimizer step; DeepSpeed's GPU buffer for
+    accumulating is allocated at init whatever the accumulation, stage_1_and_2.py line 659)."""
     import deepspeed
+    import transformers
 
     import fitone
 
@@ -516,8 +522,11 @@ def probe_key(cfg: TrainConfig, config: Any, device: str, mode: StepMode | None 
         if cfg.fused_loss else None,
         "ds_config": _digest(Path(cfg.ds_config).read_bytes()) if cfg.ds_config else None,
         "device": device, "gpu": memory.gpu_name(), "max_gpu_memory_bytes": cfg.max_gpu_memory_bytes,
-        "expandable_segments": cfg.expandable_segments if device == "cuda" else None,
+        # what the allocator runs with: a user's PYTORCH_CUDA_ALLOC_CONF overrides --[no-]expandable-segments
+        "allocator": memory.allocator_settings(cfg.expandable_segments) if device == "cuda" else None,
         "world_size": 1, "fitone": fitone.__version__, "deepspeed": deepspeed.__version__,
+        # the allocator and kernels (torch) and the models' code (transformers) decide activation memory too
+        "torch": torch.__version__, "transformers": transformers.__version__,
     }
     mode = mode or step_mode.for_config(cfg, world_size=1, on_gpu=device == "cuda", ds=probe_ds_config(cfg, device))
     if mode.on_one_gpu().name == step_mode.PIPELINED:
@@ -526,17 +535,35 @@ def probe_key(cfg: TrainConfig, config: Any, device: str, mode: StepMode | None 
 
 
 def _data_key(cfg: TrainConfig) -> Any:
+    """What the worst-case batch is made of: full rows, the maximum lengths, or a data source's longest
+    examples as the model's tokenizer cuts them (so the source's files and the tokenizer's files count)."""
     if cfg.pack:  # full rows whatever the data (a seq2seq model refuses --pack before this)
         return "packed rows"
     if cfg.data in NAMED_SOURCES:
         return "maximum lengths"
-    path = Path(cfg.data)
-    stat = path.stat() if path.exists() else None
-    return {"path": str(path.resolve()), "mtime_ns": stat.st_mtime_ns if stat else None,
-            "size": stat.st_size if stat else None,
+    return {"source": _files_key(cfg.data), "split": cfg.data_split, "config": cfg.data_config,
             "fields": [cfg.source_field, cfg.target_field, cfg.text_field, cfg.prompt_field],
-            **({"split": cfg.data_split, "config": cfg.data_config} if not path.exists() else {}),
+            "tokenizer": {"model": cfg.model, "from_scratch": cfg.from_scratch, "files": _files_key(cfg.model)},
             **({"chat_template": _digest(Path(cfg.chat_template).read_bytes())} if cfg.chat_template else {})}
+
+
+_WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".h5", ".msgpack", ".gguf")  # values, not sizes
+
+
+def _files_key(spec: str) -> Any:
+    """A local file, directory or glob as its files' names, sizes and mtimes (an edit re-measures); else the
+    name (a hub id)."""
+    path = Path(spec).expanduser()
+    if any(c in spec for c in "*?["):
+        files = [Path(f) for f in sorted(glob.glob(str(path), recursive=True))]
+    elif path.is_dir():
+        files = sorted(f for f in path.rglob("*") if f.is_file() and not f.name.endswith(_WEIGHT_FILES))
+    elif path.is_file():
+        files = [path]
+    else:
+        return spec
+    stats = [(f, f.stat()) for f in files if f.is_file()]
+    return {"path": str(path.resolve()), "files": [[str(f.resolve()), st.st_size, st.st_mtime_ns] for f, st in stats]}
 
 
 def _digest(data: str | bytes) -> str:

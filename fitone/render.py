@@ -73,7 +73,7 @@ def plan_dict(p: Plan) -> dict[str, Any]:
         "offload": "cpu" if p.offload else "none", "gpus": p.gpus, "micro_batch": p.micro_batch,
         "lengths": p.lengths, "activation_checkpointing": p.activation_checkpointing,
         "gpu_gib": gib(p.gpu_total, 3), "gpu_allocated_gib": gib(p.gpu_allocated, 3), "host_gib": gib(p.host_total, 3),
-        "host_export_gib": gib(p.host_export, 3),
+        "host_export_gib": gib(p.host_export, 3), "checkpoint_gib": gib(p.checkpoint_bytes, 3),
         "gpu_init_gib": gib(p.gpu_init_total, 3), "gpu_peak_gib": gib(p.gpu_peak, 3),
         "gpu_peak_phase": p.gpu_peak_phase,
         "gpu_limit_gib": None if p.gpu_limit is None else gib(p.gpu_limit, 3),
@@ -128,6 +128,8 @@ def plan_text(p: Plan) -> str:
                      f"(without offload: {p.max_micro_batch_without_offload})")
     lines.append(f"without offload: GPU {gib(p.gpu_total_without_offload, 3):.2f} GiB, "
                  f"host {gib(p.host_total_without_offload, 3):.2f} GiB")
+    lines.append(f"one checkpoint (--save-every): {gib(p.checkpoint_bytes, 3):.2f} GiB of disk; --keep-checkpoints K "
+                 "needs room for K + 1")
     if p.deepspeed_estimate:
         ds = p.deepspeed_estimate
         lines.append(f"DeepSpeed's own estimate (model states only): GPU {gib(ds['gpu'], 3):.2f} GiB, "

@@ -11,6 +11,7 @@ from typing import Any
 from fitone import checkpoint
 from fitone.errors import RunDirError
 from fitone.metrics import MetricsLog, open_sinks
+from fitone.units import gib
 
 
 def check_run_dir(out: str | None, *, resume: bool, overwrite: bool, model: str) -> Path | None:
@@ -42,8 +43,36 @@ def check_run_dir(out: str | None, *, resume: bool, overwrite: bool, model: str)
     return None
 
 
+def free_disk_bytes(path: Path) -> int:
+    """Bytes this user can still write on the filesystem that holds `path` (or would, once created)."""
+    path = path.absolute()
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def check_checkpoint_room(out: Path, *, checkpoint_bytes: int, keep: int, save_every: int, overwrite: bool,
+                          saves: int | None = None) -> None:
+    """Refuse --save-every where the disk under --out cannot hold the checkpoints the run keeps plus the one it
+    is writing: a save is complete on disk before the oldest is pruned, so the disk holds keep + 1 at its peak,
+    or fewer where the run writes fewer (`saves`, when its length is known). A resumed run's own checkpoints
+    already on the disk count toward those; --overwrite deletes them first."""
+    held = [] if overwrite else checkpoint.complete_checkpoints(out)
+    held_bytes = sum(f.stat().st_size for c in held for f in c.rglob("*") if f.is_file())
+    at_peak = max(keep, len(held)) + 1 if saves is None else min(max(keep, len(held)) + 1, len(held) + saves)
+    peak = at_peak * checkpoint_bytes
+    room = free_disk_bytes(out)
+    if peak - held_bytes > room:
+        raise RunDirError(
+            f"--save-every {save_every}: one checkpoint of this model is {gib(checkpoint_bytes):.2f} GiB, and with "
+            f"--keep-checkpoints {keep} the disk holds {at_peak} at once (the newest is written before the oldest "
+            f"goes): {gib(peak):.2f} GiB{f' ({gib(held_bytes):.2f} of it already there)' if held else ''}, but "
+            f"{out} has {gib(room):.2f} GiB free; free disk space, lower --keep-checkpoints, or give an --out on a "
+            "larger disk (--no-preflight skips this check)")
+
+
 def setup_run_dir(out: Path, *, overwrite: bool, settings: dict[str, Any], report_sinks: list[str],
-                  resume_step: int) -> MetricsLog:
+                  resume_step: int, verbose: bool = False) -> MetricsLog:
     """Create (or, with `overwrite`, replace) the run directory, drop a killed save's leftovers, write
     config.json and open the metrics log; on rank 0 only. check_run_dir has passed."""
     if overwrite and out.exists():
@@ -52,7 +81,7 @@ def setup_run_dir(out: Path, *, overwrite: bool, settings: dict[str, Any], repor
     checkpoint.remove_partial(out)
     (out / "config.json").write_text(json.dumps(settings, indent=2, default=str))
     return MetricsLog(out / "metrics.jsonl", resume_step=resume_step,
-                      sinks=open_sinks(report_sinks, out, settings, resume_step=resume_step))
+                      sinks=open_sinks(report_sinks, out, settings, resume_step=resume_step, verbose=verbose))
 
 
 def is_run_dir(path: Path) -> bool:

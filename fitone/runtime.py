@@ -40,8 +40,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-_port_chosen_here = False  # this process picked MASTER_PORT for itself: ours to change if it is taken (not a
-# variable in os.environ: a launcher's ranks started from this process would inherit it)
+_port_chosen_here: str | None = None  # the MASTER_PORT this process picked for itself, ours to change if it is
+# taken; one set since (a notebook's next cell) is the user's. Not a variable in os.environ: a launcher's ranks
+# started from this process would inherit it
 
 
 def ensure_dist_env() -> DistInfo:
@@ -50,8 +51,7 @@ def ensure_dist_env() -> DistInfo:
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if "MASTER_PORT" not in os.environ:
-            os.environ["MASTER_PORT"] = str(_free_port())
-            _port_chosen_here = True
+            os.environ["MASTER_PORT"] = _port_chosen_here = str(_free_port())
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
     os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
     return DistInfo(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
@@ -175,6 +175,23 @@ def ds_chatter() -> Iterator[None]:
         yield
 
 
+def _port_in_use(exc: Exception, attempt: int) -> None:
+    """MASTER_PORT is taken. The free port fitone picked can be taken before the store binds it (seen once in the
+    GPU lane): pick another. One the user or a launcher set is never moved (another process would wait on it):
+    one line naming the fix."""
+    global _port_chosen_here
+    port = os.environ.get("MASTER_PORT")
+    if port == _port_chosen_here and attempt < 2:
+        os.environ["MASTER_PORT"] = _port_chosen_here = str(_free_port())
+        return
+    if port == _port_chosen_here:
+        raise exc
+    fix = ("give the launcher a free one (torchrun --master-port, deepspeed --master_port)"
+           if "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("WORLD_SIZE", "1")) > 1 else
+           "unset MASTER_PORT to let fitone pick a free port, or set it to a free one")
+    raise DeviceError(f"MASTER_PORT {port} is in use by another process (EADDRINUSE): {fix}") from exc
+
+
 def init_distributed(device: str) -> DistInfo:
     info = ensure_dist_env()
     import deepspeed
@@ -187,10 +204,9 @@ def init_distributed(device: str) -> DistInfo:
             with ds_chatter():
                 deepspeed.init_distributed(dist_backend=backend, verbose=False)
         except torch.distributed.DistNetworkError as exc:
-            # the free port we picked was taken before the store bound it (seen once in the GPU lane)
-            if not _port_chosen_here or "EADDRINUSE" not in str(exc) or attempt == 2:
+            if "EADDRINUSE" not in str(exc):
                 raise
-            os.environ["MASTER_PORT"] = str(_free_port())
+            _port_in_use(exc, attempt)
     if device == "cuda":
         torch.cuda.set_device(info.local_rank)
     return info

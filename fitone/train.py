@@ -35,7 +35,7 @@ from fitone.models import (CAUSAL, SEQ2SEQ, LoadedModel, check_seq_len, enable_a
                            load_model, load_tokenizer, require_model, task_of)
 from fitone.packing import require_exact_packing
 from fitone.plan import unforeseen_oom
-from fitone.rundir import check_run_dir, setup_run_dir
+from fitone.rundir import check_checkpoint_room, check_run_dir, setup_run_dir
 from fitone.runtime import Runtime, build_runtime
 from fitone.units import gib
 from fitone.zero2 import step_mode
@@ -147,6 +147,7 @@ class Trainer:
         # before the runtime starts (DeepSpeed's may first build an op), a probe, the weights or an engine exist;
         # an 'auto' size is checked at 1 here, then at its probed size
         self._preflight(1 if cfg.batch_size == "auto" else int(cfg.batch_size))
+        self._check_disk()
         note = runtime.start()
         if note:
             self._say(note)
@@ -258,6 +259,21 @@ class Trainer:
         preflight(self.cfg, micro_batch=micro_batch, world_size=self.runtime.world_size, config=self.config,
                   mode=self.mode)
 
+    def _check_disk(self) -> None:
+        """--save-every's checkpoints must fit the disk under --out: refused from the config, before anything is
+        written, rather than a full disk at the first save (an 8B checkpoint is ~112 GB)."""
+        cfg = self.cfg
+        if not (cfg.save_every and cfg.out and cfg.preflight):
+            return
+        from fitone.plan import model_shape
+
+        n_params = model_shape(cfg, self.config)[0].n_params  # the pre-flight's (cached) meta build
+        first = int(checkpoint.read_state(self.resume_from)["step"]) if self.resume_from else 0
+        saves = None if cfg.max_steps is None else (cfg.max_steps - first) // cfg.save_every + 1  # + the end's
+        check_checkpoint_room(Path(cfg.out), checkpoint_bytes=checkpoint.checkpoint_bytes(n_params, cfg.precision),
+                              keep=cfg.keep_checkpoints, save_every=cfg.save_every, overwrite=cfg.overwrite,
+                              saves=saves)
+
     def _setup_engine(self, model: torch.nn.Module) -> Engine:
         cfg = self.cfg
         ds_config = build_ds_config(cfg, micro_batch=self.micro_batch, world_size=self.runtime.world_size,
@@ -301,7 +317,7 @@ class Trainer:
             return out, MetricsLog(None)
         resume_step = self.state["step"] if self.resume_from else 0
         return out, setup_run_dir(out, overwrite=cfg.overwrite, settings=cfg.to_dict(),
-                                  report_sinks=cfg.report_sinks, resume_step=resume_step)
+                                  report_sinks=cfg.report_sinks, resume_step=resume_step, verbose=cfg.verbose)
 
     # -- the loop -------------------------------------------------------------------------------
     def train(self) -> TrainResult:
@@ -373,8 +389,9 @@ class Trainer:
                                                              used is not None)
         if bad.update(math.nan if nan_loss else loss, self.engine.last_step_applied):
             self._abort_numerics(f"{bad.streak} steps in a row had a NaN/inf loss or skipped their update")
-        if cfg.save_every and self.state["step"] % cfg.save_every == 0 and bad.state_is_good:
-            self._save()  # never after a NaN/inf loss: those weights may hold NaN
+        if cfg.save_every and self.state["step"] % cfg.save_every == 0 and bad.state_is_good \
+                and not (stop_asked or host_full):  # never after a NaN/inf loss; a stop saves below, if it fits
+            self._save()
         if stop_asked:
             self._abort(f"stopped by {stop.signal_name or 'a signal to another rank'}")
         if host_full:
@@ -442,8 +459,11 @@ class Trainer:
         if not self.bad.state_is_good:
             raise TrainingAborted(f"{why} at step {step}; not saved, because the last step's loss was NaN/inf"
                                   f"{self._last_good()}")
+        short = self._save_short()
+        if short:  # stop without the save: killed mid-save, the run would end the same, with less said
+            raise TrainingAborted(f"{why} at step {step}; not saved, because {short}{self._last_good()}")
         self._say(f"{why}: saving a checkpoint at step {step}, then stopping (a second Ctrl-C quits at once)")
-        path = self._save()  # a no-op when this step's periodic checkpoint was just written
+        path = self._save()
         raise TrainingAborted(f"{why} at step {step}; checkpoint saved to {path}; continue with the same command "
                               "plus --resume")
 
@@ -456,9 +476,28 @@ class Trainer:
         last = checkpoint.latest(self.out) if self.out else None
         return f"; the last good checkpoint is {last}: add --resume to continue from it" if last else ""
 
+    def _save_short(self) -> str | None:
+        """Why a checkpoint save must not start now (None: it fits): the host RAM it takes beyond training's
+        (checkpoint.save_host_bytes) is more than is left. The same answer on every rank."""
+        need, left = checkpoint.save_host_bytes(self.engine), memory.host_available_bytes()
+        if not self.runtime.agree(need > left)[0]:
+            return None
+        return (f"a checkpoint save needs {gib(need):.2f} GiB of host RAM beyond training's and "
+                f"{gib(left):.2f} GiB is left (the kernel's OOM killer would end it half-written); free host memory, "
+                "or plan a smaller run with `fitone plan`")
+
     def _save(self) -> Path | None:
+        """This step's checkpoint (the one already written, if any); a save the host cannot hold is not started:
+        the run stops, saying why."""
         if self.out is None:
             return None
+        done = checkpoint.checkpoint_root(self.out) / checkpoint.tag_for(self.state["step"])
+        if checkpoint.is_complete(done):  # e.g. the end of a run right after a periodic save
+            return done
+        short = self._save_short()
+        if short:
+            raise TrainingAborted(f"stopped at step {self.state['step']} instead of writing a checkpoint, because "
+                                  f"{short}{self._last_good()}")
         import torch.distributed as dist
 
         state = {**self.state, "model": self.cfg.model, "precision": self.cfg.precision,

@@ -97,6 +97,26 @@ def text_jsonl(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture
+def fake_cgroup(tmp_path, monkeypatch):
+    """FAKED: a cgroup v2 memory limit on this process, as the files of a folder that fitone.memory's reader is
+    pointed at (this machine's own limit is whatever it is). Returns set(limit, used), which (re)writes them."""
+    from fitone import memory
+
+    group, proc = tmp_path / "cgroup-v2" / "job", tmp_path / "proc-self-cgroup"
+    group.mkdir(parents=True)
+    proc.write_text("0::/job\n")
+    monkeypatch.setattr(memory, "CGROUP_ROOT", group.parent)
+    monkeypatch.setattr(memory, "PROC_CGROUP", proc)
+
+    def set_usage(limit: int, used: int) -> None:
+        (group / "memory.max").write_text(f"{limit}\n")
+        (group / "memory.current").write_text(f"{used}\n")
+        (group / "memory.stat").write_text(f"anon {used}\ninactive_file 0\n")
+
+    return set_usage
+
+
 # -- the CLI, in this process and as a child process ---------------------------------------------
 # the CLI twin of cpu_config (batch 4), so a run started by the CLI resumes through fitone.train
 CLI_RUN = ["--model", "t5-tiny", "--from-scratch", "--data", "sample", "--src-len", "8", "--tgt-len", "48",

@@ -18,7 +18,7 @@ from fitone.errors import RunDirError
 from fitone.metrics import MetricsLog, read_metrics
 
 from conftest import cpu_config
-from conftest import CLI_RUN, child_env
+from conftest import CLI_RUN, child_env, run_main
 
 # SIGKILL arrives while DeepSpeed is writing the optimizer file of the second checkpoint: half of
 # that file is on disk, the rest never comes. Patched in a child process only; fitone has no hook.
@@ -311,3 +311,144 @@ def test_a_model_whose_weights_are_renamed_on_save_is_exported_by_save_pretraine
     with safe_open(final / "model.safetensors", "pt") as f:
         names = set(f.keys())
     assert "legacy.wte.weight" in names and not any(n.startswith("transformer.") for n in names)
+
+
+# -- what a save costs: disk and host RAM -----------------------------------------------------------
+def _stepped_engine(precision: str, model: str):
+    """A real engine after one optimizer step (Adam's moments exist from the first)."""
+    from conftest import fixed_batch, tiny_engine
+
+    engine = tiny_engine(precision, model=model)
+    batch = fixed_batch(1)
+    if model.startswith("gpt2"):
+        batch = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
+                 "labels": batch["input_ids"]}
+    engine.backward(engine.forward(batch))
+    engine.step()
+    return engine
+
+
+@pytest.mark.parametrize("model, precision", [("t5-tiny", "fp32"), ("gpt2-tiny", "bf16")])
+def test_a_checkpoints_bytes_on_disk_are_what_checkpoint_bytes_counts(tmp_path, model, precision):
+    """The weights as trained + the fp32 master + Adam's two fp32 moments per parameter, and a little: the
+    per-parameter part is pinned to the byte (a byte per parameter off would be ~0.5-1 MB here)."""
+    engine = _stepped_engine(precision, model)
+    try:
+        ckpt = checkpoint.save(engine, tmp_path, 1, {"step": 1}, keep=1, is_main=True)
+        n_params = sum(p.numel() for p in engine.module.parameters())  # tied weights once
+    finally:
+        engine.close()
+    written = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
+    per_param = checkpoint.checkpoint_bytes(n_params, precision) - checkpoint.CHECKPOINT_OVERHEAD
+    assert per_param <= written <= per_param + 256 * 2**10, (written, per_param)  # the rest: scripts, pickles
+    assert written <= checkpoint.checkpoint_bytes(n_params, precision)
+
+
+def test_a_save_copies_nothing_that_lies_on_the_host(tmp_path):
+    """The premise of save_host_bytes: DeepSpeed's ZeRO-2 save hands torch.save the optimizer's own host buffers
+    (views, no clones), which torch.save writes from where they lie. Every storage a torch op makes during the
+    save is counted: a handful of bytes, where a copy of the fp32 master alone would be 4 MB. On the CPU nothing
+    lies off the host, so the estimate is its cushion; what a GPU's weights add (the largest 16-bit group, copied
+    one at a time by torch.save) cannot be made here."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    engine = _stepped_engine("bf16", "t5-tiny")
+    held = {t.untyped_storage().data_ptr()
+            for t in [*engine.module.state_dict().values(), *checkpoint._tensors(engine.optimizer.state_dict())]}
+    made: dict[int, int] = {}
+
+    class NewStorages(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in held:
+                    made[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return out
+
+    try:
+        assert checkpoint.save_host_bytes(engine) == checkpoint.SAVE_HOST_CUSHION
+        with NewStorages():
+            checkpoint.save(engine, tmp_path, 1, {"step": 1}, keep=1, is_main=True)
+    finally:
+        engine.close()
+    assert sum(made.values()) < 64 * 2**10, made
+
+
+def _fake_free_disk(monkeypatch, free: int) -> None:
+    """FAKED: the free-disk reading (a test cannot fill a disk)."""
+    from fitone import rundir
+
+    monkeypatch.setattr(rundir, "free_disk_bytes", lambda _path: free)
+
+
+def _tiny_checkpoint_bytes() -> int:
+    from fitone.models import build_model, load_config
+
+    n_params = sum(p.numel() for p in build_model(load_config("t5-tiny", from_scratch=True)).parameters())
+    return checkpoint.checkpoint_bytes(n_params, "fp32")
+
+
+def test_save_every_whose_checkpoints_cannot_fit_the_free_disk_is_refused_before_training(tmp_path, monkeypatch):
+    """keep K checkpoints: the disk holds K + 1 while the newest is written. One byte short of that is one line,
+    exit 2, before anything is built or written; exactly that trains."""
+    size = _tiny_checkpoint_bytes()
+    out = tmp_path / "run"
+    _fake_free_disk(monkeypatch, 3 * size - 1)
+    rc, _, err = run_main(["train", *CLI_RUN, "--max-steps", "2", "--save-every", "1", "--keep-checkpoints", "2",
+                           "--out", str(out)])
+    assert rc == 2
+    assert err.strip().splitlines() == [
+        f"fitone: error: --save-every 1: one checkpoint of this model is {size / 2**30:.2f} GiB, and with "
+        f"--keep-checkpoints 2 the disk holds 3 at once (the newest is written before the oldest goes): "
+        f"{3 * size / 2**30:.2f} GiB, but {out} has {(3 * size - 1) / 2**30:.2f} GiB free; free disk space, lower "
+        "--keep-checkpoints, or give an --out on a larger disk (--no-preflight skips this check)"]
+    assert not out.exists()
+    _fake_free_disk(monkeypatch, 3 * size)
+    rc, _, err = run_main(["train", *CLI_RUN, "--max-steps", "2", "--save-every", "1", "--keep-checkpoints", "2",
+                           "--out", str(out)])
+    assert rc == 0, err
+    assert [p.name for p in checkpoint.complete_checkpoints(out)] == ["step-00000001", "step-00000002"]
+
+
+def test_a_resumed_runs_own_checkpoints_count_toward_the_room_it_needs(tmp_path, monkeypatch):
+    """Resuming with the K checkpoints already written, the disk needs only what K + 1 take beyond those."""
+    size = _tiny_checkpoint_bytes()
+    out = tmp_path / "run"
+    fitone.train(cpu_config(batch_size=4, max_steps=2, save_every=1, keep_checkpoints=2, out=str(out)))
+    held = sum(f.stat().st_size for c in checkpoint.complete_checkpoints(out) for f in c.rglob("*") if f.is_file())
+    assert held < 2 * size
+    _fake_free_disk(monkeypatch, 3 * size - held - 1)
+    with pytest.raises(RunDirError, match=r"the disk holds 3 at once .* of it already there"):
+        fitone.train(cpu_config(batch_size=4, max_steps=3, save_every=1, keep_checkpoints=2, out=str(out),
+                                resume=True))
+    _fake_free_disk(monkeypatch, 3 * size - held)
+    fitone.train(cpu_config(batch_size=4, max_steps=3, save_every=1, keep_checkpoints=2, out=str(out), resume=True))
+    assert [p.name for p in checkpoint.complete_checkpoints(out)] == ["step-00000002", "step-00000003"]
+
+
+def test_a_run_that_writes_fewer_checkpoints_than_it_keeps_needs_room_for_those(tmp_path, monkeypatch):
+    """--max-steps 2 --save-every 2 writes at most two (step 2's and the end's), whatever --keep-checkpoints
+    allows: the room for two is enough (a 7B benchmark of 21 steps saving at 20 needed two 94 GB checkpoints
+    on a 128 GiB disk and failed at the second: bench/results/2026-11-30-issue19/)."""
+    size = _tiny_checkpoint_bytes()
+    _fake_free_disk(monkeypatch, 2 * size)
+    result = fitone.train(cpu_config(batch_size=4, max_steps=2, save_every=2, keep_checkpoints=5,
+                                     out=str(tmp_path / "run")))
+    assert result.steps == 2
+    _fake_free_disk(monkeypatch, 2 * size - 1)
+    with pytest.raises(RunDirError, match=r"the disk holds 2 at once"):
+        fitone.train(cpu_config(batch_size=4, max_steps=2, save_every=2, keep_checkpoints=5,
+                                out=str(tmp_path / "other")))
+
+
+def test_the_plan_says_how_big_one_checkpoint_is():
+    """The same arithmetic as the disk check: llama-7b in bf16 is 94 GB (87.9 GiB) a checkpoint, as measured
+    (bench/results/2026-11-30-issue19/)."""
+    p = fitone.plan(model="llama-7b", from_scratch=True, precision="bf16", seq_len=512, gpu_mem="24GiB",
+                    host_mem="128GiB")
+    assert p.checkpoint_bytes == checkpoint.checkpoint_bytes(p.n_params, "bf16")
+    assert round(p.checkpoint_bytes / 1e9) == 94
+    assert p.to_dict()["checkpoint_gib"] == pytest.approx(p.checkpoint_bytes / 2**30, abs=1e-3)
+    assert f"one checkpoint (--save-every): {p.checkpoint_bytes / 2**30:.2f} GiB of disk" in str(p)

@@ -14,6 +14,7 @@ import gc
 import importlib
 import json
 import math
+import shutil
 import weakref
 from pathlib import Path
 
@@ -483,28 +484,126 @@ def test_a_capped_probe_is_never_reused_as_a_probe_of_the_card(cache_root):
 
 
 # -- the saved results -----------------------------------------------------------------------------
-def test_cache_key_follows_what_decides_memory(tmp_path):
+def _key_change(change: str, tmp_path, monkeypatch, t5_dir: Path) -> tuple[dict, dict]:
+    """The probe keys of a base setting and of the same setting with `change` made; each case names one
+    thing that decides a trial's memory (ProbeSession: the model it builds, its dtype, checkpointing, the
+    engine and its step, the worst-case batch, the allocator and its cap, and the code that runs them)."""
+    t5, gpt = load_config("t5-tiny", from_scratch=True), load_config("gpt2-tiny", from_scratch=True)
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"source": "a", "target": "b", "text": "c", "prompt": "d"}\n')
+    base, config, device = probe_config(data=str(data)), t5, "cpu"
+    changed, changed_config, changed_device = None, t5, "cpu"
+    if change in ("seq_len", "pack"):  # a causal LM's
+        base, config, changed_config = probe_config(data=str(data), seq_len=16), gpt, gpt
+    if change in ("expandable_segments", "allocator_env", "pipelined_on_gpu"):
+        device = changed_device = "cuda"
+    if change == "tokenizer_files" or change == "model_dir":
+        model_dir = tmp_path / "model"
+        shutil.copytree(t5_dir, model_dir)
+        base = base.replace(model=str(model_dir), from_scratch=False)
+    if change == "data_dir_split":
+        (tmp_path / "saved").mkdir()
+        (tmp_path / "saved" / "data.arrow").write_bytes(b"rows")
+        base = base.replace(data=str(tmp_path / "saved"))
+    if change == "data_glob":
+        (tmp_path / "shards").mkdir()
+        (tmp_path / "shards" / "a.jsonl").write_text(data.read_text())
+        base = base.replace(data=str(tmp_path / "shards" / "*.jsonl"))
+    if change == "hub_config":
+        base = base.replace(data="org/dataset")
+    before = probe_key(base, config, device)
+    if change == "model_config":
+        changed_config = load_config("t5-small", from_scratch=True)
+    elif change == "precision":
+        changed = base.replace(precision="bf16")
+    elif change == "src_len":
+        changed = base.replace(src_len=16)
+    elif change == "tgt_len":
+        changed = base.replace(tgt_len=16)
+    elif change == "seq_len":
+        changed = base.replace(seq_len=32)
+    elif change == "activation_checkpointing":
+        changed = base.replace(activation_checkpointing=False)
+    elif change == "offload":
+        changed = base.replace(offload="none")
+    elif change == "pipelined_update":  # its landing chunks on the GPU
+        changed = base.replace(pipelined_update=True)
+    elif change == "pipelined_on_gpu":  # the default on one GPU; --no-pipelined-update takes DeepSpeed's
+        changed = base.replace(pipelined_update=False)
+    elif change == "max_gpu_memory":
+        changed = base.replace(max_gpu_memory="20GiB")
+    elif change == "expandable_segments":
+        changed = base.replace(expandable_segments=False)
+    elif change == "allocator_env":  # the user's allocator settings win over the flag
+        monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    elif change == "pack":
+        changed = base.replace(pack=True)
+    elif change == "data_file":
+        other = tmp_path / "other.jsonl"
+        other.write_text(data.read_text())
+        changed = base.replace(data=str(other))
+    elif change == "data_edited":
+        data.write_text('{"source": "a longer one", "target": "b", "text": "c", "prompt": "d"}\n')
+    elif change == "data_glob":
+        (tmp_path / "shards" / "b.jsonl").write_text(data.read_text())
+    elif change == "data_dir_split":
+        changed = base.replace(data_split="validation")
+    elif change == "hub_config":  # a hub dataset's configuration (subset)
+        changed = base.replace(data_config="subset")
+    elif change == "data_fields":
+        changed = base.replace(source_field="text")
+    elif change == "prompt_field":
+        changed = base.replace(prompt_field="prompt")
+    elif change == "chat_template":
+        template = tmp_path / "chat.jinja"
+        template.write_text("{{ messages }}")
+        changed = base.replace(chat_template=str(template))
+    elif change == "tokenizer_files":  # the worst case is the data as this tokenizer cuts it
+        tokenizer_config = Path(base.model) / "tokenizer_config.json"
+        tokenizer_config.write_text(tokenizer_config.read_text() + "\n")
+    elif change == "model_dir":
+        changed = base.replace(model=str(shutil.copytree(base.model, tmp_path / "model2")))
+    elif change == "ds_config":
+        ds = tmp_path / "ds.json"
+        ds.write_text('{"zero_optimization": {"reduce_bucket_size": 1000}}')
+        changed = base.replace(ds_config=str(ds))
+    elif change == "device":
+        changed_device = "cuda"
+    elif change == "gpu":
+        monkeypatch.setattr(probe_run.memory, "gpu_name", lambda: "NVIDIA H200")
+    elif change in ("torch", "transformers", "deepspeed", "fitone"):
+        monkeypatch.setattr(importlib.import_module(change), "__version__", "0.0.0-other")
+    else:
+        raise AssertionError(f"no such case {change}")
+    return before, probe_key(changed or base, changed_config, changed_device)
+
+
+@pytest.mark.parametrize("change", [
+    "model_config", "precision", "src_len", "tgt_len", "seq_len", "activation_checkpointing", "offload",
+    "pipelined_update", "pipelined_on_gpu", "max_gpu_memory", "expandable_segments", "allocator_env", "pack",
+    "data_file", "data_edited", "data_glob", "data_dir_split", "hub_config", "data_fields", "prompt_field",
+    "chat_template", "tokenizer_files", "model_dir", "ds_config", "device", "gpu", "torch", "transformers",
+    "deepspeed", "fitone"])
+def test_the_cache_key_changes_with_everything_that_decides_a_trials_memory(change, tmp_path, monkeypatch,
+                                                                            tiny_t5_dir):
+    """A saved probe reused under another setting would hand --batch-size auto a size measured under, say, a
+    bigger cap or unpacked rows: an out-of-memory mid-run. Each case changes one thing; dropping any one
+    entry from probe_key (or from its data part) fails its case."""
+    before, after = _key_change(change, tmp_path, monkeypatch, tiny_t5_dir)
+    assert after != before
+
+
+def test_the_cache_key_ignores_what_does_not_change_memory():
     config = load_config("t5-tiny", from_scratch=True)
     base = probe_config()
     key = probe_key(base, config, "cpu")
-    for change in ({"precision": "bf16"}, {"src_len": 16}, {"tgt_len": 16}, {"activation_checkpointing": False},
-                   {"offload": "none"}):
-        assert probe_key(base.replace(**change), config, "cpu") != key, change
-    assert probe_key(base.replace(pipelined_update=True), config, "cpu") != key  # GPU landing chunks
-    on_gpu = probe_key(base, config, "cuda")  # the pipelined update is the default on one GPU
-    assert on_gpu == probe_key(base.replace(pipelined_update=True), config, "cuda") and on_gpu["pipelined_update"]
-    assert "pipelined_update" not in probe_key(base.replace(pipelined_update=False), config, "cuda")
     for same in ({"lr": 0.5}, {"seed": 7}, {"batch_size": 64}, {"seq_len": 64}, {"data": "synthetic"},
+                 {"max_steps": 5}, {"grad_accum": 4}, {"lr_schedule": "cosine", "warmup_steps": 3},
                  {"delayed_update": True}):  # the delayed update's extra buffer is on the host
         assert probe_key(base.replace(**same), config, "cpu") == key, same  # seq_len: not a T5's length
-    other = load_config("t5-small", from_scratch=True)
-    assert probe_key(base, other, "cpu") != key
-    data = tmp_path / "d.jsonl"
-    data.write_text('{"source": "a", "target": "b"}\n')
-    with_data = probe_key(base.replace(data=str(data)), config, "cpu")
-    assert with_data != key
-    data.write_text('{"source": "a longer one", "target": "b"}\n')
-    assert probe_key(base.replace(data=str(data)), config, "cpu") != with_data  # edited file: measure again
+    assert "allocator" not in key or key["allocator"] is None  # no CUDA allocator on the CPU
+    on_gpu = probe_key(base, config, "cuda")  # the pipelined update is the default on one GPU
+    assert on_gpu == probe_key(base.replace(pipelined_update=True), config, "cuda") and on_gpu["pipelined_update"]
 
 
 def test_saved_result_is_reused_only_for_the_same_search_settings():

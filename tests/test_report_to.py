@@ -44,6 +44,37 @@ def test_tensorboard_logs_the_same_scalars_as_metrics_jsonl_and_the_config(tmp_p
     assert '"model": "t5-tiny"' in config_text and '"report_to": "tensorboard"' in config_text
 
 
+def test_a_resumed_run_leaves_tensorboard_one_value_per_step_the_one_metrics_jsonl_has(tmp_path):
+    """Resumed from step 3 of a run that had logged 6 (killed after its last checkpoint, say), the resumed run
+    logs 4-6 again. Its event file starts with a purge at step 4 (SummaryWriter's purge_step), on which
+    TensorBoard's reader drops what the older file logged from there: each scalar has one value per step, the
+    resumed run's (step_s differs between the two runs, so a leftover would show). The older file itself still
+    holds its steps 4-6: readers other than TensorBoard's see them."""
+    import shutil
+
+    from fitone import checkpoint
+    from fitone.metrics import read_metrics
+
+    out = tmp_path / "run"
+    settings = dict(batch_size=4, max_steps=6, save_every=3, keep_checkpoints=5, eval_every=3, eval_examples=4,
+                    out=str(out), report_to="tensorboard")
+    fitone.train(cpu_config(**settings))
+    shutil.rmtree(checkpoint.checkpoint_root(out) / checkpoint.tag_for(6))
+    shutil.rmtree(out / "final")
+    fitone.train(cpu_config(**settings, resume=True))
+    assert len(list((out / "tensorboard").glob("events.out.tfevents.*"))) == 2
+    records = read_metrics(out)
+    acc = _events(out / "tensorboard")
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
+    for key in ("loss", "step_s", "host_rss_gib"):
+        logged = [(e.step, e.value) for e in acc.Scalars(f"train/{key}")]
+        assert logged == [(r["step"], pytest.approx(r[key], rel=1e-6)) for r in steps], key
+    held_out = [r for r in records if "eval_loss" in r]
+    assert [(e.step, e.value) for e in acc.Scalars("eval/loss")] == \
+        [(r["step"], pytest.approx(r["eval_loss"], rel=1e-6)) for r in held_out] and len(held_out) == 2
+
+
 def _wandb_records(run_file):
     """The records of an offline run's .wandb file. wandb 0.31 ships no Python reader for it (its old
     wandb.sdk.internal.datastore is gone), so this walks the file's framing, LevelDB's log format (32 KiB blocks,
@@ -125,6 +156,26 @@ def test_wandb_offline_logs_the_same_scalars_as_metrics_jsonl_and_the_config(tmp
     assert summary["train/loss"] == pytest.approx(steps[-1]["loss"], rel=1e-6)
     assert config["model"] == "t5-tiny" and config["report_to"] == "wandb"
     assert config["max_steps"] == 4 and config["lr"] == pytest.approx(3e-3)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is None, reason="wandb is not installed: pip install wandb")
+def test_wandb_says_nothing_of_its_own_in_a_quiet_run_and_everything_with_verbose(tmp_path, monkeypatch, capfd):
+    """Without --verbose a run with --report-to wandb prints fitone's lines only (W&B's ~25: versions, where the
+    run is, its history and summary at the end, go); the run is still recorded. With --verbose they are back."""
+    _no_wandb_login(tmp_path, monkeypatch)
+    monkeypatch.delenv("WANDB_SILENT")  # as a user's shell has it
+    capfd.readouterr()
+    fitone.train(cpu_config(max_steps=2, out=str(tmp_path / "quiet"), report_to="wandb"))
+    out, err = capfd.readouterr()
+    assert [line for line in (out + err).splitlines() if "wandb" in line.lower()] == [
+        f"fitone: W&B runs offline (no W&B API key: WANDB_API_KEY or `wandb login`): sync later with "
+        f"`wandb sync {tmp_path / 'quiet' / 'wandb'}/offline-run-*`"]
+    history, _config, _summary = _wandb_run(tmp_path / "quiet")
+    assert sorted(history) == [1, 2]
+    fitone.train(cpu_config(max_steps=2, out=str(tmp_path / "verbose"), report_to="wandb", verbose=True))
+    out, err = capfd.readouterr()
+    said = [line for line in (out + err).splitlines() if line.startswith("wandb:")]
+    assert len(said) > 10 and any("Run summary" in line for line in said)
 
 
 def test_report_to_needs_a_run_dir_and_a_known_name():

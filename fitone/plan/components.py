@@ -99,6 +99,13 @@ class Plan:
         return self.host_total + int(parse_size(EXPORT_SHARD_SIZE, "shard size"))
 
     @property
+    def checkpoint_bytes(self) -> int:
+        """Disk bytes of one `--save-every` checkpoint of this model (fitone.checkpoint.checkpoint_bytes)."""
+        from fitone.checkpoint import checkpoint_bytes
+
+        return checkpoint_bytes(self.n_params, self.precision)
+
+    @property
     def host_states(self) -> int:
         """Host bytes of one rank beyond the process baseline: what offloading adds."""
         return sum(c.bytes for c in self.host if c.name != "process baseline")
