@@ -10,6 +10,8 @@ import torch
 from conftest import cpu_config, fixed_batch, weights
 from fitone.zero2 import layout
 
+pytestmark = pytest.mark.numeric  # engines compared to the bit: also run under another SIMD level (.ci/run)
+
 SMALL_GROUPS = 20_000  # elements: cuts the tiny T5 (~1M parameters) into dozens of groups
 
 
