@@ -25,7 +25,7 @@ from fitone.config import TrainConfig
 from fitone.data import (ChatFields, Dataset, Rows, batches, data_file, load_dataset, loss_tokens, open_data,
                          require_one_batch, resume_position, steps_per_epoch)
 from fitone.ds_config import build_ds_config, read_user_config
-from fitone.engine import Engine, cpu_adam_built
+from fitone.engine import Engine
 from fitone.errors import ConfigError, MemoryBudgetError, TrainingAborted
 from fitone.evaluate import HeldOut, score
 from fitone import loss as fused_loss
@@ -279,9 +279,6 @@ class Trainer:
         ds_config = build_ds_config(cfg, micro_batch=self.micro_batch, world_size=self.runtime.world_size,
                                     total_steps=self.total_steps, on_gpu=self.runtime.on_gpu)
         memory.reset_gpu_peak()
-        if cfg.offload == "cpu" and not cpu_adam_built():
-            self._say("building DeepSpeed's CPU Adam once for this machine "
-                      "(~1.5 minutes on 2 cores; cached for later runs)")
         with unforeseen_oom("engine init", verbose=cfg.verbose):
             engine = Engine(model, ds_config, **self.mode.engine_options())
         if self.mode.name == step_mode.PIPELINED and cfg.pipelined_update is None:

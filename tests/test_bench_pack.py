@@ -9,15 +9,21 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import child_env
+import pytest
+
+from conftest import child_env, run_child
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_pack.py"
 
 
+@pytest.fixture(autouse=True)
+def _ops_built(deepspeed_ops_built):
+    """The dry run stops a child at its budget: it must not be the child that builds cpu_adam."""
+
+
 def _dry_run(out: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), *args],
-                          env={**child_env(), "FITONE_PACK_DRY_RUN": "1"}, capture_output=True, text=True,
-                          timeout=600, check=False)
+    return run_child([sys.executable, str(SCRIPT), "--out", str(out), *args],
+                     env={**child_env(), "FITONE_PACK_DRY_RUN": "1"}, timeout=600)
 
 
 def _real(value) -> bool:
