@@ -6,22 +6,13 @@ optimizer step it takes is decided by fitone.zero2.step_mode and handed in as ke
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
 import torch
 
-from fitone import memory
+from fitone import extensions, memory
 from fitone.runtime import ds_chatter
-
-
-def cpu_adam_built() -> bool:
-    """Whether DeepSpeed's cpu_adam is already compiled in the torch extensions cache (else ~1-2 min)."""
-    from pathlib import Path
-
-    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
-    return any(root.glob("cpu_adam/*.so")) or any(root.glob("*/cpu_adam/*.so"))  # with or without a py/cuda level
 
 
 class Engine:
@@ -34,17 +25,20 @@ class Engine:
         Default: DeepSpeed's step. A run's StepMode.engine_options() gives both."""
         import deepspeed
 
-        from fitone.zero2 import layout, overflow, overlap
+        from fitone.zero2 import grad_norm, layout, overflow, overlap
 
         start = time.perf_counter()
         self.host: layout.LeanHost | None = None
         if pipelined:
             ds_config = layout.lean_offload_config(ds_config)
         self.ds_config = ds_config
+        if (ds_config.get("zero_optimization", {}).get("offload_optimizer") or {}).get("device") == "cpu":
+            extensions.prepare_build("cpu_adam")  # DeepSpeedCPUAdam: no stale lock in its way, a line if it builds
         with ds_chatter():
             self.ds, self.optimizer, _, self.scheduler = deepspeed.initialize(
                 model=model, model_parameters=layout.param_groups(model), config=ds_config)
         self.overflow_deferred = overflow.defer_overflow_check(self.optimizer)  # same decision, one sync a step
+        grad_norm.one_sum_grad_norm(self.optimizer)  # the clip norm of one group, however many groups
         self.overlap: overlap.DelayedUpdate | overlap.PipelinedUpdate | None = None
         if delayed_after is not None:
             self.overlap = overlap.DelayedUpdate(self.optimizer, after=delayed_after)

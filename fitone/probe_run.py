@@ -325,7 +325,7 @@ class ProbeSession:
         cfg, config = self.cfg, self.config
         if cfg.data in NAMED_SOURCES or (cfg.pack and self.task == CAUSAL):  # packed: every row is full anyway
             return None, config.pad_token_id if config.pad_token_id is not None else 0
-        tokenizer = load_tokenizer(cfg.model, config)
+        tokenizer = load_tokenizer(cfg.model, config, from_scratch=cfg.from_scratch)
         return load_dataset(cfg, self.task, tokenizer, config.vocab_size), tokenizer.pad_token_id
 
     # -- a trial ----------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
-from fitone.units import gib
+from fitone.units import count_text, gib
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -99,7 +99,7 @@ def plan_text(p: Plan) -> str:
     mode = "ZeRO-2 + CPU offload" if p.offload else "ZeRO-2, no offload"
     lens = " / ".join(f"{k} {v}" for k, v in p.lengths.items())
     lines = [
-        f"{p.model}: {p.n_params / 1e9:.3g}B params ({p.family} formula), {p.precision}, {mode}, "
+        f"{p.model}: {count_text(p.n_params)} params ({p.family} formula), {p.precision}, {mode}, "
         f"{p.gpus} GPU{'s' if p.gpus > 1 else ''}",
         f"micro-batch {p.micro_batch}, {lens}, activation checkpointing "
         f"{'on' if p.activation_checkpointing else 'off'}",

@@ -17,7 +17,7 @@ from typing import Iterator
 
 import torch
 
-from fitone import memory
+from fitone import extensions, memory
 from fitone.config import TrainConfig, resolve_precision
 from fitone.errors import DeviceError
 from fitone.units import parse_size
@@ -246,6 +246,7 @@ class Runtime:
         if self.started:
             return ""
         from fitone.zero2 import check_version
+        from fitone.zero2.ops import shm_comm_needed
 
         check_version()
         quiet_logs(self.verbose)
@@ -253,6 +254,8 @@ class Runtime:
         if self.on_gpu:
             memory.use_expandable_segments(self.expandable_segments)  # before anything is allocated
         self.owns_group = not torch.distributed.is_initialized()
+        if shm_comm_needed():  # built by DeepSpeed's process group setup, on the CPU accelerator
+            extensions.prepare_build("deepspeed_shm_comm")
         self.dist = init_distributed(self.device)
         if self.on_gpu:
             apply_gpu_cap(self.max_gpu_memory)

@@ -25,14 +25,14 @@ from fitone.config import TrainConfig
 from fitone.data import (ChatFields, Dataset, Rows, batches, data_file, load_dataset, loss_tokens, open_data,
                          require_one_batch, resume_position, steps_per_epoch)
 from fitone.ds_config import build_ds_config, read_user_config
-from fitone.engine import Engine, cpu_adam_built
+from fitone.engine import Engine
 from fitone.errors import ConfigError, MemoryBudgetError, TrainingAborted
 from fitone.evaluate import HeldOut, score
 from fitone import loss as fused_loss
 from fitone.guards import BadStepStreak, HostMemoryWatch, StopRequest, is_loss_scale_collapse, numerics_advice
 from fitone.metrics import MetricsLog
 from fitone.models import (CAUSAL, SEQ2SEQ, LoadedModel, check_seq_len, enable_activation_checkpointing, load_config,
-                           load_model, require_model, task_of)
+                           load_model, load_tokenizer, require_model, task_of)
 from fitone.packing import require_exact_packing
 from fitone.plan import unforeseen_oom
 from fitone.rundir import check_checkpoint_room, check_run_dir, setup_run_dir
@@ -111,8 +111,9 @@ def train(cfg: TrainConfig | None = None, **overrides: Any) -> TrainResult:
 
 @dataclass
 class _Inputs:
-    """What the cheap checks opened: the data rows (tokenised once the tokenizer is loaded)."""
+    """What the cheap checks opened: the model's tokenizer and the data rows (tokenised once the model is loaded)."""
 
+    tokenizer: Any
     rows: Rows | None
     eval_rows: Rows | None
     eval_fields: tuple[str, ...]  # exact match compares a seq2seq row's second
@@ -155,7 +156,7 @@ class Trainer:
         if cfg.batch_size == "auto":
             self._preflight(self.micro_batch)
         with unforeseen_oom("model build", verbose=cfg.verbose):
-            self.loaded = self._setup_model(self.config)
+            self.loaded = self._setup_model(self.config, inputs.tokenizer)
         self.data = self._setup_data(self.loaded, inputs.rows)
         self.held_out = self._setup_held_out(self.loaded, inputs)
         self.accum = cfg.accumulation(self.micro_batch, runtime.world_size)
@@ -178,22 +179,25 @@ class Trainer:
         # opened (converted to Arrow once, memory-mapped) and checked now, tokenised after the model; this also
         # refuses --prompt-field and --pack on a seq2seq model
         rows = open_data(cfg, task)
+        tokenizer = load_tokenizer(cfg.model, config, from_scratch=cfg.from_scratch)  # a missing one is refused here
         if rows is not None and isinstance(rows.fields, ChatFields):
             from fitone.data import chat_tokenizer
-            from fitone.models import load_tokenizer
 
-            chat_tokenizer(load_tokenizer(cfg.model, config), cfg.chat_template, rows.source)
+            chat_tokenizer(tokenizer, cfg.chat_template, rows.source)
         held_out = data_file(cfg, task, split="eval")
         if cfg.eval_every and held_out is None:
             raise ConfigError(f"--eval-every needs held-out data and --data {cfg.data} has none: "
                               "add --eval-data FILE.jsonl")
         # a user's held-out file is read (and so checked) now too; config validation ensured eval_examples > 0
-        return _Inputs(rows=rows, eval_rows=open_data(cfg, task, split="eval") if cfg.eval_data else None,
+        return _Inputs(tokenizer=tokenizer, rows=rows,
+                       eval_rows=open_data(cfg, task, split="eval") if cfg.eval_data else None,
                        eval_fields=held_out[1] if held_out else ())
 
-    def _setup_model(self, config: PretrainedConfig) -> LoadedModel:
+    def _setup_model(self, config: PretrainedConfig, tokenizer: Any) -> LoadedModel:
         cfg = self.cfg
-        loaded = load_model(cfg.model, from_scratch=cfg.from_scratch, seed=cfg.seed, config=config)
+        loaded = load_model(cfg.model, from_scratch=cfg.from_scratch, seed=cfg.seed, config=config, tokenizer=tokenizer)
+        for note in loaded.notes:  # an LM head added, a vision tower left out
+            self._say(note)
         loaded.model.config.use_cache = False  # training needs no KV cache; with one, packed rows go unseen
         if cfg.activation_checkpointing:
             enable_activation_checkpointing(loaded.model)
@@ -275,9 +279,6 @@ class Trainer:
         ds_config = build_ds_config(cfg, micro_batch=self.micro_batch, world_size=self.runtime.world_size,
                                     total_steps=self.total_steps, on_gpu=self.runtime.on_gpu)
         memory.reset_gpu_peak()
-        if cfg.offload == "cpu" and not cpu_adam_built():
-            self._say("building DeepSpeed's CPU Adam once for this machine "
-                      "(~1.5 minutes on 2 cores; cached for later runs)")
         with unforeseen_oom("engine init", verbose=cfg.verbose):
             engine = Engine(model, ds_config, **self.mode.engine_options())
         if self.mode.name == step_mode.PIPELINED and cfg.pipelined_update is None:

@@ -1,4 +1,5 @@
-"""Memory sizes: bytes in and out of GiB, and the sizes a user writes ('24GiB', '24GB', '512MiB').
+"""Memory sizes: bytes in and out of GiB, and the sizes a user writes ('24GiB', '24GB', '512MiB'); parameter
+counts as people write them (968K, 6.74B).
 
 Imports nothing of fitone but its errors, so every module (memory included) can use it.
 """
@@ -39,3 +40,12 @@ def parse_size(text: str | int | float | None, what: str = "memory size") -> int
     if value <= 0:
         raise ConfigError(f"{what} must be positive, got {text!r}")
     return value
+
+
+def count_text(n: int) -> str:
+    """A parameter count as people write it, to three significant digits: 512, 968K, 1.2M, 6.74B."""
+    rounded = float(f"{n:.3g}")  # first, so 999,999 reads 1M rather than 1e+03K
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if rounded >= size:
+            return f"{rounded / size:.3g}{unit}"
+    return str(int(n))

@@ -10,11 +10,13 @@ import contextlib
 import io
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
 
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "fitone" / "torch_extensions"))
+# DeepSpeed's JIT builds go where a user's run puts them: TORCH_EXTENSIONS_DIR if set (CI sets its own,
+# .ci/run), else torch's default, so the suite reuses the quick start's build (fitone.extensions)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -140,3 +142,37 @@ def child_env() -> dict[str, str]:
     env["PYTHONPATH"] = str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")
     env["OMP_NUM_THREADS"] = "1"
     return env
+
+
+def run_child(command: list[str], *, timeout: float, **options) -> subprocess.CompletedProcess:
+    """subprocess.run(capture_output=True, text=True), except that a timeout ends the child's whole process tree
+    before it raises: its own children, in their own process groups or sessions too (the benchmark scripts
+    start theirs so), would otherwise keep running, or keep compiling, after the test."""
+    import psutil
+
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **options)
+    try:
+        out, err = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        try:
+            tree = [*psutil.Process(child.pid).children(recursive=True), psutil.Process(child.pid)]
+        except psutil.NoSuchProcess:  # it ended just now
+            tree = []
+        for proc in tree:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        psutil.wait_procs(tree, timeout=30)
+        child.communicate()
+        raise
+    return subprocess.CompletedProcess(command, child.returncode, out, err)
+
+
+@pytest.fixture(scope="session")
+def deepspeed_ops_built() -> Path:
+    """DeepSpeed's JIT ops (cpu_adam, shm_comm) built, by a tiny engine here, before a test whose child may be cut
+    short by a timeout or a budget: a child stopped mid-build leaves a half-built extension behind."""
+    from fitone import extensions
+
+    if not all(extensions.is_built(name) for name in extensions.OPS):
+        tiny_engine().close()
+    return extensions.extensions_root()

@@ -9,15 +9,21 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import child_env
+import pytest
+
+from conftest import child_env, run_child
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_pack.py"
 
 
+@pytest.fixture(autouse=True)
+def _ops_built(deepspeed_ops_built):
+    """The dry run stops a child at its budget: it must not be the child that builds cpu_adam."""
+
+
 def _dry_run(out: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), *args],
-                          env={**child_env(), "FITONE_PACK_DRY_RUN": "1"}, capture_output=True, text=True,
-                          timeout=600, check=False)
+    return run_child([sys.executable, str(SCRIPT), "--out", str(out), *args],
+                     env={**child_env(), "FITONE_PACK_DRY_RUN": "1"}, timeout=600)
 
 
 def _real(value) -> bool:
@@ -71,7 +77,7 @@ def test_the_packed_padding_count_is_each_rows_fill_after_its_last_example(tmp_p
     make_longtail_data.main(["--out", str(data), "--examples", "200", "--median-words", "4", "--max-words", "13"])
     setup = {"model": "gpt2-tiny", "seq_len": 64}
     config = load_config("gpt2-tiny", from_scratch=True)
-    tok = load_tokenizer("gpt2-tiny", config)
+    tok = load_tokenizer("gpt2-tiny", config, from_scratch=True)
     examples = load_dataset(TrainConfig(model="gpt2-tiny", from_scratch=True, data=str(data), seq_len=64,
                                         eval_examples=0), CAUSAL, tok, config.vocab_size)
     rows = bench_pack.padding(setup, data, True, 1, 1)["rows"]

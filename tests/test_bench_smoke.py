@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import run_child
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "bench_gpu.py"
 
@@ -38,13 +40,16 @@ SMOKE = ["--device", "cpu", "--batch-sizes", "2", "--steps", "2", "--warmup", "1
          "--src-len", "16", "--tgt-len", "16"]
 
 
+@pytest.fixture(autouse=True)
+def _ops_built(deepspeed_ops_built):
+    """The harness stops children at their timeouts: none of them may be the one that builds cpu_adam."""
+
+
 def _run(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ)  # the timeout is generous: on a shared 2-core box a child's imports alone can take 40 s
     # One OpenMP thread: on a shared 2-core box two spinning threads make a tiny model's step 100x slower.
     env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("TORCH_EXTENSIONS_DIR", "/root/.cache/fitone/torch_extensions")
-    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    return run_child([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -342,3 +347,18 @@ def test_check_export_loads_a_saved_model_dir_and_reports_what_came_back(tiny_gp
         assert capsys.readouterr().out.startswith("EXPORT ")
         assert record["params"] == sum(p.numel() for p in AutoModel.from_pretrained(model_dir).parameters())
         assert record["loss_is_finite"] and any(name.endswith(".safetensors") for name in record["files"])
+
+
+def test_a_child_cut_by_a_test_timeout_leaves_no_process_behind(tmp_path):
+    """run_child's timeout ends the whole tree: here a grandchild in a session of its own, as the benchmark
+    scripts start their training children (subprocess.run's timeout kills only the direct child)."""
+    import psutil
+
+    pid_file = tmp_path / "grandchild.pid"
+    parent = ("import subprocess, sys, time; "
+              "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True); "
+              f"open({str(pid_file)!r}, 'w').write(str(g.pid)); time.sleep(600)")
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_child([sys.executable, "-c", parent], timeout=20)
+    grandchild = int(pid_file.read_text())
+    assert not psutil.pid_exists(grandchild) or psutil.Process(grandchild).status() == psutil.STATUS_ZOMBIE

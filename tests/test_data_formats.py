@@ -441,8 +441,8 @@ def test_a_200k_row_parquet_trains_without_being_read_into_memory(tmp_path):
 
     for name in ("small", "big"):
         cfg = TrainConfig(model=str(model_dir), data=str(tmp_path / f"{name}.parquet"), seq_len=16, progress=False)
-        tokenize(open_data(cfg, CAUSAL), CAUSAL, load_tokenizer(str(model_dir), load_config(str(model_dir),
-                                                                                         from_scratch=False)), cfg)
+        config = load_config(str(model_dir), from_scratch=False)
+        tokenize(open_data(cfg, CAUSAL), CAUSAL, load_tokenizer(str(model_dir), config, from_scratch=False), cfg)
     small = _peak_rss_of_training(model_dir, tmp_path / "small.parquet", tmp_path / "run-small", tmp_path)
     big = _peak_rss_of_training(model_dir, tmp_path / "big.parquet", tmp_path / "run-big", tmp_path)
     rows = [json.loads(line) for line in (tmp_path / "run-big" / "metrics.jsonl").read_text().splitlines()]

@@ -48,6 +48,7 @@ def one_process_losses() -> list[float]:
     return result.losses
 
 
+@pytest.mark.numeric
 def test_two_ranks_train_like_one_process_at_the_same_global_batch(tmp_path, one_process_losses):
     out = tmp_path / "ddp"
     proc = _torchrun(out, "--max-steps", "16", "--save-every", "8")

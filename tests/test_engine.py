@@ -1,21 +1,13 @@
-"""Runtime and engine helpers that need no engine: the in-process distributed env and the JIT-build check."""
+"""Runtime and engine helpers that need no engine: the in-process distributed env (the JIT-build checks:
+tests/test_extensions.py)."""
 
 import os
 
 import pytest
 
 from fitone.config import TrainConfig
-from fitone.engine import cpu_adam_built
 from fitone.runtime import ensure_dist_env, resolve_device
 from fitone.errors import DeviceError
-
-
-def test_cpu_adam_built_looks_in_the_extensions_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    assert not cpu_adam_built()
-    (tmp_path / "py311_cpu" / "cpu_adam").mkdir(parents=True)
-    (tmp_path / "py311_cpu" / "cpu_adam" / "cpu_adam.so").write_bytes(b"")
-    assert cpu_adam_built()
 
 
 def test_launcher_env_is_kept_and_a_single_process_gets_one(monkeypatch):

@@ -137,6 +137,7 @@ def t5_with_dropout(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize("case", ["warmup+linear decay, dropout", "grad accumulation 2, cosine decay"])
 def test_resume_after_a_stop_matches_the_uninterrupted_run_step_for_step(case, t5_with_dropout, tmp_path,
                                                                          monkeypatch):

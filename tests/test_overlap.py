@@ -87,6 +87,7 @@ def within_adam_drift(got: dict, expected: dict, steps: int) -> bool:
     return all(float((got[k] - v).abs().max()) <= adam_weight_drift(v, steps, LR) for k, v in expected.items())
 
 
+@pytest.mark.numeric
 def test_the_delayed_update_applied_at_once_is_deepspeeds_update():
     """Same gradients in, same weights out: unscale/clip, AdamW on DeepSpeed's states, staging, upload, and
     the swapped gradient buffers. Only *when* the update lands differs in the real mode."""
@@ -118,6 +119,7 @@ def weights_at_init() -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in build_model(load_config("t5-tiny", from_scratch=True)).named_parameters()}
 
 
+@pytest.mark.numeric
 def test_after_the_plain_steps_each_forward_sees_the_weights_one_update_old():
     engine = make_engine(2)
     try:
@@ -138,6 +140,7 @@ def test_after_the_plain_steps_each_forward_sees_the_weights_one_update_old():
     assert torch.equal(flat, master[: flat.numel()])
 
 
+@pytest.mark.numeric
 def test_an_overflowed_step_is_dropped_and_the_pending_update_still_lands():
     """A NaN loss at a delayed step (DeepSpeed checks gradients for inf/NaN in fp32 too): skipped, not
     applied; the earlier step's update, already running, lands as usual."""
@@ -160,6 +163,7 @@ def test_an_overflowed_step_is_dropped_and_the_pending_update_still_lands():
     assert equal(got, expected)
 
 
+@pytest.mark.numeric
 def test_train_with_the_delayed_update_learns_exports_and_resumes(tmp_path, capsys):
     common = dict(max_steps=24, lr=1e-3, lr_schedule="constant", warmup_steps=0, batch_size=8,
                   delayed_update=True, delayed_update_after=4)
@@ -200,6 +204,7 @@ def make_pipelined(chunk_elements: int, precision: str = "fp32") -> Engine:
     return engine
 
 
+@pytest.mark.numeric
 def test_the_pipelined_update_is_deepspeeds_update_while_the_next_forward_runs():
     """No staleness: with the update running in small chunks beside the next forward (each module waiting
     for the chunks that hold its weights), every forward sees the updated weights, and every step's loss
@@ -261,6 +266,7 @@ def test_a_failed_pipelined_update_raises_in_the_forward_that_needs_it():
         engine.close()  # raised once, where it happened: the teardown after it does not raise it again
 
 
+@pytest.mark.numeric
 def test_the_pipelined_update_trains_exports_and_resumes(tmp_path):
     common = dict(max_steps=16, lr=1e-3, lr_schedule="constant", warmup_steps=0, batch_size=8,
                   pipelined_update=True)
@@ -324,6 +330,7 @@ def test_one_overlap_mode_at_a_time():
         cpu_config(delayed_update=True, pipelined_update=True).validate()
 
 
+@pytest.mark.numeric
 def test_in_bf16_the_pipelined_update_follows_the_default_and_the_delayed_one_lags():
     """bf16 (DeepSpeed's CPU accelerator takes it; fp16 needs a GPU): 16-bit weights staged from fp32.
 
@@ -365,6 +372,7 @@ def test_in_bf16_the_pipelined_update_follows_the_default_and_the_delayed_one_la
     assert all(math.isfinite(x) for x in delayed.losses) and delayed.losses[-1] < delayed.losses[0]
 
 
+@pytest.mark.numeric
 def test_the_pipelined_update_on_a_causal_lm_with_tied_weights_and_accumulation(tiny_gpt_dir, text_jsonl,
                                                                                 tmp_path):
     """GPT-2's lm_head shares the embedding's weight (a module whose weight sits at the start of the flat

@@ -6,6 +6,8 @@ from __future__ import annotations
 import ctypes
 import importlib
 import json
+import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -18,9 +20,9 @@ from fitone import memory
 from fitone.cli import dispatch, main
 from fitone.config import TrainConfig
 from fitone.errors import MemoryBudgetError
-from fitone.models import build_model, load_config
+from fitone.models import SEQ2SEQ, build_model, load_config, load_model
 from fitone.plan import DOES_NOT_FIT, FITS_ON_GPU, FITS_WITH_OFFLOAD, plan, preflight
-from fitone.units import GIB
+from fitone.units import GIB, count_text
 
 T5_3B = dict(model="t5-3b", from_scratch=True, src_len=128, tgt_len=128, precision="fp16")
 
@@ -443,3 +445,57 @@ def test_llama_3_1_8b_plans_within_five_percent_of_its_run(monkeypatch):
     for name, (planned, got) in pairs.items():
         assert abs(planned / (got * GIB) - 1) <= 0.05, (name, planned / GIB, got)
     assert p.max_micro_batch >= measured["micro_batch"] == 12
+
+
+# -- the parameters counted are those from_pretrained loads -------------------------------------------------
+CARD = dict(gpu_mem="24GiB", host_mem="64GiB")
+
+
+@pytest.fixture(scope="module")
+def plan_user_dirs(tmp_path_factory) -> dict[str, Path]:
+    """A user's own directories (tests/user_models.py) of the architectures whose embeddings tie or not."""
+    import user_models
+
+    root = tmp_path_factory.mktemp("user-models")
+    return {arch: user_models.model_dir(arch, root / arch, bos=arch.startswith("llama"))
+            for arch in ("t5-v1_1", "mt5", "bart", "llama3", "llama3-tied")}
+
+
+@pytest.mark.parametrize("arch", ["t5-v1_1", "mt5", "bart", "llama3", "llama3-tied"])
+def test_the_plan_counts_the_parameters_from_pretrained_loads(plan_user_dirs, tmp_path, arch):
+    """T5 v1.1, Flan-T5 and mT5 checkpoints hold lm_head apart from the embeddings; transformers 5 builds T5
+    tied, and from_pretrained unties what the checkpoint holds apart. Before, the plan counted it tied
+    (mT5-xl -13.7%). The same with the config saying untied, as the hub's config.json files do."""
+    path = plan_user_dirs[arch]
+    loaded = load_model(str(path), from_scratch=False)
+    assert plan(model=str(path), **CARD).n_params == loaded.n_params
+    if arch in ("t5-v1_1", "mt5"):
+        assert loaded.model.lm_head.weight is not loaded.model.shared.weight
+        hub_like = tmp_path / arch
+        shutil.copytree(path, hub_like)
+        config = json.loads((hub_like / "config.json").read_text())
+        (hub_like / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
+        assert plan(model=str(hub_like), **CARD).n_params == loaded.n_params
+
+
+@pytest.mark.parametrize("name", ["t5-tiny", "gpt2-tiny", "t5-small"])
+def test_the_plan_counts_the_parameters_of_shipped_configs_and_their_saved_dirs(tmp_path, name):
+    built = load_model(name, from_scratch=True)
+    assert plan(model=name, from_scratch=True, **CARD).n_params == built.n_params
+    built.model.save_pretrained(tmp_path)
+    built.tokenizer.save_pretrained(tmp_path)
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    auto = AutoModelForSeq2SeqLM if built.task == SEQ2SEQ else AutoModelForCausalLM
+    assert plan(model=str(tmp_path), **CARD).n_params == sum(x.numel() for x in auto.from_pretrained(tmp_path)
+                                                             .parameters()) == built.n_params
+
+
+def test_the_plan_reads_counts_in_words_and_names_no_deepspeed_source_lines(plan_user_dirs, capsys):
+    assert [count_text(n) for n in (512, 967_552, 1_200_000, 999_999, 6_738_415_616)] == \
+        ["512", "968K", "1.2M", "1M", "6.74B"]
+    path = plan_user_dirs["llama3"]
+    assert main(["plan", "--model", str(path), "--gpu-mem", "24GiB", "--host-mem", "64GiB"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{path}: 115K params (")  # was 0.000115B
+    assert not re.search(r"\blines? \d", out), out  # DeepSpeed's source lines are cited in the code, not the rows

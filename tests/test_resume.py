@@ -76,6 +76,7 @@ def one_thread():
 
 
 # fp32 and bf16, with and without accumulation, in two runs rather than four (each is 235 steps)
+@pytest.mark.numeric
 @pytest.mark.parametrize("precision,accum", [("fp32", 1), ("bf16", 2)], ids=["fp32", "bf16-accumulation-2"])
 def test_a_resumed_run_continues_the_uninterrupted_one_bit_for_bit(files, precision, accum, tmp_path, one_thread):
     straight_dir = tmp_path / "straight"

@@ -232,6 +232,7 @@ def test_a_decaying_schedule_without_warm_up_runs(schedule):
     assert result.lrs[-1] < 0.5 * max(result.lrs)
 
 
+@pytest.mark.numeric
 def test_resume_continues_the_uninterrupted_curve(tmp_path):
     """Stop after 10 steps, resume to 20: steps 11-20 are the uninterrupted run's, bit for bit (CPU: every
     state is restored exactly, DeepSpeedCPUAdam's running bias-correction powers replayed)."""
@@ -278,6 +279,7 @@ def test_global_batch_derives_accumulation():
     assert (steps, micro_steps) == (3, 12)  # DeepSpeed stepped once per 4 micro-batches
 
 
+@pytest.mark.numeric
 def test_two_micro_batches_of_two_train_as_one_micro_batch_of_four():
     """2 x 2 (micro-batch x accumulation) against 4 x 1: the same 4 examples per optimizer step, in the same
     order. Synthetic data has every example at full length, so each micro-batch's token mean weighs its

@@ -91,5 +91,19 @@ def model_dir(arch: str, path: Path, *, bos: bool = True, seed: int = 0) -> Path
     config = model_config(arch, vocab_size=len(tok))
     torch.manual_seed(seed)
     auto = AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM
-    auto.from_config(config).save_pretrained(path)
+    model = auto.from_config(config)
+    if (CAUSAL.get(arch) or SEQ2SEQ[arch]).get("tie_word_embeddings") is False:
+        _untie_lm_head(model)
+    model.save_pretrained(path)
     return path
+
+
+def _untie_lm_head(model) -> None:
+    """Give lm_head weights of its own. transformers 5 builds T5 and mT5 tied whatever the config says, but the
+    hub's T5 v1.1, Flan-T5 and mT5 checkpoints hold lm_head apart, and from_pretrained loads them so."""
+    import torch
+
+    head = model.get_output_embeddings()
+    if head.weight is model.get_input_embeddings().weight:
+        head.weight = torch.nn.Parameter(torch.randn_like(head.weight) * 0.05)
+        model.all_tied_weights_keys.pop("lm_head.weight", None)

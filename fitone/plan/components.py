@@ -1,7 +1,7 @@
 """What each piece of a ZeRO-2 run holds on the GPU and in host RAM, in bytes: the component arithmetic.
 
-Model states follow what DeepSpeed 0.19's `deepspeed/runtime/zero/stage_1_and_2.py` allocates (line
-numbers cited below).
+Model states follow what DeepSpeed 0.19's `deepspeed/runtime/zero/stage_1_and_2.py` allocates (its line
+numbers are cited in comments; the rows a user reads name what each piece is).
 """
 
 from __future__ import annotations
@@ -176,11 +176,11 @@ def _gpu_components(st: _Setup, offload: bool, micro_batch: int) -> list[Compone
     s, w, n = st.shape, st.w, st.gpus
     part = math.ceil(s.n_params / n)
     bits = "fp32" if w == 4 else "16-bit"
-    comps = [Component("weights", "weights", w * s.n_params, f"{bits}, {w} B/param (bit16_groups_flat, line 505)")]
+    comps = [Component("weights", "weights", w * s.n_params, f"{bits}, {w} B/param")]  # bit16_groups_flat, line 505
     nbuf = 2 if st.overlap_comm else 1
-    comps.append(Component("gradient buckets", "gradients", nbuf * st.bucket * w,
-                           f"{nbuf} x reduce_bucket_size {st.bucket:.2g} ({'overlap_comm' if nbuf == 2 else 'one'}"
-                           ", setup_buckets, lines 3266-3278)"))
+    comps.append(Component("gradient buckets", "gradients", nbuf * st.bucket * w,  # setup_buckets, lines 3266-3278
+                           f"{nbuf} x reduce_bucket_size {st.bucket:.2g} "
+                           f"({'overlap_comm' if nbuf == 2 else 'one bucket'})"))
     largest = s.largest_param
     if offload and st.pipelined_update:  # the lean layout (fitone.zero2.layout): the sums go up in chunks
         from fitone.zero2.layout import CHUNK_ELEMENTS, NORM_CHUNK_ELEMENTS
@@ -191,9 +191,10 @@ def _gpu_components(st: _Setup, offload: bool, micro_batch: int) -> list[Compone
                                "boundary and one of its sum so far"))
     elif offload:
         upcast = 4 * largest if w < 4 else 0
+        # temp_grad_buffer_for_gpu_offload (line 659), the autograd grad, the fp32 copy for the CPU (line 1898)
         comps.append(Component("offload staging", "buffers", 2 * w * largest + upcast,
-                               "largest param: temp_grad_buffer_for_gpu_offload (line 659), its autograd grad"
-                               + (", fp32 copy for the CPU (line 1898)" if upcast else "")))
+                               "largest param: the gradient offload buffer, its autograd grad"
+                               + (", an fp32 copy for the CPU" if upcast else "")))
     if offload:
         if st.pipelined_update and st.on_gpu:
             from fitone.zero2.overlap import UPLOAD_CHUNK
@@ -202,9 +203,9 @@ def _gpu_components(st: _Setup, offload: bool, micro_batch: int) -> list[Compone
                                    "two fp32 chunks: the updated master goes up and is cast on the GPU"))
     else:
         comps.append(Component("gradient partition", "gradients", w * part,
-                               f"{bits} grads of this rank's partition (grads_in_partition, line 2192)"))
+                               f"{bits} grads of this rank's partition"))  # grads_in_partition, line 2192
         comps.append(Component("optimizer states", "optimizer", 12 * part,
-                               "fp32 master (line 560) + Adam m, v, on the GPU"))
+                               "fp32 master + Adam m, v, on the GPU"))  # fp32 master: line 560
         comps.append(Component("largest grad", "buffers", w * largest, "autograd's grad before the bucket copy"))
     comps.append(Component("activations", "activations", st.per_sample() * micro_batch,
                            f"{micro_batch} x {st.per_sample() / 2**20:.1f} MiB"))
@@ -250,7 +251,7 @@ def _gpu_init_components(st: _Setup, offload: bool) -> list[Component]:
                        "the largest parameter group's flat copy and about one more group's, beside their "
                        "tensors (flatten_dense_tensors_aligned)")]
     if not offload:
-        comps.append(Component("fp32 master", "optimizer", 4 * part, "made on the GPU at init (line 560)"))
+        comps.append(Component("fp32 master", "optimizer", 4 * part, "made on the GPU at init"))  # line 560
     return _with_overhead(st, comps)
 
 
@@ -280,16 +281,16 @@ def _host_components(st: _Setup, offload: bool) -> list[Component]:
     master, grads, staging = 4 * part, 4 * part, w * part
     acc = sum(w * numel for numel in s.param_numels) // n if st.accumulation > 1 else 0
     cpu_temp = w * s.largest_param
-    comps = [
-        Component("fp32 master weights", "weights", master, f"4 B/param{pinned} (line 560)"),
-        Component("fp32 gradients", "gradients", grads, f"4 B/param{pinned} (line 937)"),
+    comps = [  # DeepSpeed's lines: master 560, gradients 937, staging 567, largest-param grad buffer 653
+        Component("fp32 master weights", "weights", master, f"4 B/param{pinned}"),
+        Component("fp32 gradients", "gradients", grads, f"4 B/param{pinned}"),
         Component("Adam m and v", "optimizer", 8 * part, "8 B/param, DeepSpeedCPUAdam states"),
         Component("16-bit weight staging" if w == 2 else "weight staging", "buffers", staging + cpu_temp,
-                  f"{w} B/param{pinned} (line 567) + largest-param grad buffer (line 653)"),
+                  f"{w} B/param{pinned} + largest-param grad buffer"),
     ]
     if acc:
-        comps.append(Component("accumulated grads", "buffers", acc,
-                               f"{w} B/param{pinned}, gradient accumulation {st.accumulation} (line 1824)"))
+        comps.append(Component("accumulated grads", "buffers", acc,  # line 1824
+                               f"{w} B/param{pinned}, gradient accumulation {st.accumulation}"))
     spare = grads if st.delayed_update else 0
     if spare:
         comps.append(Component("delayed-update gradients", "gradients", spare,

@@ -62,20 +62,31 @@ _SHAPES: dict[tuple[str, bool, str | None], tuple[ModelShape, tuple[str, ...]]] 
 
 
 def _model_shape(name: str, from_scratch: bool, config: Any = None) -> tuple[ModelShape, tuple[str, ...]]:
-    from fitone.models import build_model, load_config, shipped_models
+    from fitone.errors import ModelError
+    from fitone.models import build_model, config_and_notes, from_scratch_hint, shipped_models, shipped_twin
     from fitone.packing import pack_refusal
 
     notes: list[str] = []
-    if config is None and not from_scratch and name in shipped_models() and not Path(name).exists():
+    local = Path(name).exists()
+    if config is None and not from_scratch and name in shipped_models() and not local:
         # planning needs the architecture, not the weights: the shipped config is the same model
-        config = load_config(name, from_scratch=True)
+        config, notes = config_and_notes(name, from_scratch=True)
         notes.append(f"{name}: planned from fitone's shipped config (no weights needed)")
     elif config is None:
-        config = load_config(name, from_scratch=from_scratch)
+        try:
+            config, notes = config_and_notes(name, from_scratch=from_scratch)
+        except ModelError:
+            twin = None if from_scratch or local else shipped_twin(name)
+            if twin is None:
+                raise
+            config, notes = config_and_notes(twin, from_scratch=True)
+            notes.append(f"{name} is not on this machine: planned from fitone's shipped {twin} config, its "
+                         f"architecture; training needs its weights, or random ones: {from_scratch_hint(twin)}")
     from transformers.initialization import no_init_weights
 
     with no_init_weights():  # shapes only: initialising billions of meta weights still costs seconds of CPU
-        model = build_model(config, meta=True)
+        # as from_pretrained will load it: tied weights the checkpoint holds apart count twice
+        model = build_model(config, meta=True, checkpoint=None if from_scratch else name)
     numels = tuple(p.numel() for p in model.parameters())  # parameters() yields tied weights once
 
     mtype = getattr(config, "model_type", "") or ""

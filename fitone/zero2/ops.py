@@ -19,3 +19,13 @@ def probe_ops_quietly(silenced: Callable[[], ContextManager[None]]) -> None:
         return
     with silenced():
         deepspeed.ops.__compatible_ops__  # noqa: B018 - computed and cached on first access
+
+
+def shm_comm_needed() -> bool:
+    """Whether DeepSpeed's process group setup will load its shm_comm op (its CPU accelerator, where the op
+    can be built); asks the probe above, quietly when quiet_logs ran first."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    return builder is not None and bool(deepspeed.ops.__compatible_ops__.get(builder.NAME, False))

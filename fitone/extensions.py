@@ -1,0 +1,109 @@
+"""DeepSpeed's JIT-built ops (cpu_adam, shm_comm): whether each is built, the line fitone says before a build,
+and the build lock an interrupted build leaves behind.
+
+torch builds an extension in its folder under TORCH_EXTENSIONS_DIR (default `~/.cache/torch_extensions/
+<python>_<accelerator>/`) behind a `lock` file that the builder creates exclusively and keeps open until the
+build ends and it deletes the file; every other process waits for the file to go, silently and forever. A
+build killed mid-way (a timeout, Ctrl-C, the OOM killer) leaves the file, and every later run hangs.
+
+A lock is stale when no live process has it open (Linux: /proc/<pid>/fd). An age limit was the other
+choice, but a build on a loaded 2-core machine takes from one to ten or more minutes, so no age tells a slow
+build from a dead one; the open descriptor does, in milliseconds. A stale lock is deleted (the build's ninja
+log redoes whatever the killed build left unfinished). Where the holder cannot be seen (no /proc, a process
+of the lock's owner fitone may not inspect), fitone says so in one line and waits. A builder on another
+machine sharing the folder is not seen.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Callable
+
+OPS = {"cpu_adam": "DeepSpeed's CPU Adam", "deepspeed_shm_comm": "DeepSpeed's shared-memory collectives (shm_comm)"}
+RECHECK_S = 0.5  # a lock with no holder is looked at twice: its builder closes it just before deleting it
+
+
+def _say(text: str) -> None:
+    if os.environ.get("RANK", "0") == "0":  # one line per run, not one per rank
+        print(f"fitone: {text}", flush=True)
+
+
+def extensions_root() -> Path:
+    """Where torch builds extensions: TORCH_EXTENSIONS_DIR, else its default cache folder."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(get_default_build_root())
+
+
+def build_dirs(name: str) -> list[Path]:
+    """The op's build folders: `root/name` (TORCH_EXTENSIONS_DIR) or `root/<python>_<accelerator>/name`."""
+    root = extensions_root()
+    return [d for d in [root / name, *sorted(root.glob(f"*/{name}"))] if d.is_dir()]
+
+
+def is_built(name: str) -> bool:
+    """Whether the op is already compiled in the extensions cache (else its first engine builds it)."""
+    return any(any(d.glob("*.so")) for d in build_dirs(name))
+
+
+def lock_holders(lock: Path) -> list[int] | None:
+    """The live processes that have `lock` open; None where that cannot be told."""
+    try:
+        target = os.stat(lock)
+    except FileNotFoundError:
+        return []
+    if not os.path.isdir("/proc/self/fd"):
+        return None
+    holders, unseen = [], False
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        fd_dir = f"/proc/{pid}/fd"
+        try:
+            fds = os.listdir(fd_dir)
+        except FileNotFoundError:
+            continue  # exited meanwhile
+        except PermissionError:
+            try:
+                unseen |= os.stat(f"/proc/{pid}").st_uid == target.st_uid  # one that could have built here
+            except FileNotFoundError:
+                pass
+            continue
+        for fd in fds:
+            try:
+                st = os.stat(f"{fd_dir}/{fd}")
+            except OSError:
+                continue
+            if (st.st_dev, st.st_ino) == (target.st_dev, target.st_ino):
+                holders.append(int(pid))
+                break
+    return None if unseen and not holders else holders
+
+
+def clear_stale_lock(lock: Path, what: str, say: Callable[[str], None] = _say, poll_s: float = 1.0) -> None:
+    """Return once `lock` is gone: deleted here when no process holds it, else after its builder is done."""
+    said = False
+    while lock.exists():
+        holders = lock_holders(lock)
+        if holders == []:
+            time.sleep(RECHECK_S)
+            if lock.exists() and lock_holders(lock) == []:
+                lock.unlink(missing_ok=True)
+                say(f"removed {lock}, left by an interrupted build of {what} (no process holds it)")
+            continue
+        if not said:
+            said = True
+            say(f"waiting for process {holders[0]}, which is building {what} ({lock})" if holders else
+                f"waiting on {lock}, which no process fitone can inspect holds: delete it if no build of "
+                f"{what} is running")
+        time.sleep(poll_s)
+
+
+def prepare_build(name: str, say: Callable[[str], None] = _say) -> None:
+    """Before DeepSpeed loads op `name`: no stale lock left in its way, and one line if it is about to build."""
+    for folder in build_dirs(name):
+        clear_stale_lock(folder / "lock", OPS[name], say)
+    if not is_built(name):
+        say(f"building {OPS[name]} once for this machine (~1.5 minutes on 2 cores; cached in {extensions_root()})")
