@@ -162,8 +162,11 @@ def test_wandb_offline_logs_the_same_scalars_as_metrics_jsonl_and_the_config(tmp
 def test_wandb_says_nothing_of_its_own_in_a_quiet_run_and_everything_with_verbose(tmp_path, monkeypatch, capfd):
     """Without --verbose a run with --report-to wandb prints fitone's lines only (W&B's ~25: versions, where the
     run is, its history and summary at the end, go); the run is still recorded. With --verbose they are back."""
+    import wandb
+
     _no_wandb_login(tmp_path, monkeypatch)
     monkeypatch.delenv("WANDB_SILENT")  # as a user's shell has it
+    wandb.teardown()  # W&B keeps the settings it first read (an earlier test's WANDB_SILENT) for the process
     capfd.readouterr()
     fitone.train(cpu_config(max_steps=2, out=str(tmp_path / "quiet"), report_to="wandb"))
     out, err = capfd.readouterr()
