@@ -207,16 +207,24 @@ def test_the_lean_layout_trains_bit_for_bit_as_deepspeeds_layout(monkeypatch, pr
     assert losses[-1] < losses[0]
 
 
-def fp32_group_sized(opt) -> list[torch.Tensor]:
+def fp32_group_sized(opt, before: frozenset[int] = frozenset()) -> list[torch.Tensor]:
     """Live fp32 host tensors as large as some parameter group, other than the masters and Adam's moments:
-    where a whole fp32 gradient of a group would be (made in Python, alive now)."""
+    where a whole fp32 gradient of a group would be (made in Python, alive now). Parameters (a gradient
+    buffer is none) and the tensors alive before the engine was built (`before`: ids; other tests' models
+    may still be alive in the suite's process) are not counted."""
     masters = opt.single_partition_of_fp32_groups
     sizes = {m.numel() for m in masters}
     known = {t.untyped_storage().data_ptr() for m in masters
              for t in [m.data] + [v for v in opt.optimizer.state[m].values() if isinstance(v, torch.Tensor)]}
     gc.collect()
     return [t for t in gc.get_objects() if isinstance(t, torch.Tensor) and t.dtype == torch.float32
+            and not isinstance(t, torch.nn.Parameter) and id(t) not in before
             and not t.is_meta and t.numel() in sizes and t.untyped_storage().data_ptr() not in known]
+
+
+def live_tensor_ids() -> frozenset[int]:
+    gc.collect()
+    return frozenset(id(t) for t in gc.get_objects() if isinstance(t, torch.Tensor))
 
 
 def test_the_lean_layout_holds_sixteen_bit_gradients_and_nothing_the_size_of_the_largest_parameter(monkeypatch):
@@ -226,12 +234,13 @@ def test_the_lean_layout_holds_sixteen_bit_gradients_and_nothing_the_size_of_the
     largest parameter or group (its 16-bit weight staging, its host gradient buffer, its GPU buffer for the
     sums) are released or cut to one chunk, and its own step, which would need them, is refused."""
     monkeypatch.setattr(layout, "GROUP_ELEMENTS", SMALL_GROUPS)
+    before = live_tensor_ids()
     engine = make_engine("bf16", grad_accum=2, pipelined=True, chunk=SMALL_CHUNKS)
     try:
         opt, host = engine.optimizer, engine.host
         masters = opt.single_partition_of_fp32_groups
         n = sum(m.numel() for m in masters)
-        assert all(m.grad is None for m in masters) and fp32_group_sized(opt) == []
+        assert all(m.grad is None for m in masters) and fp32_group_sized(opt, before) == []
         assert opt.temp_grad_buffer_for_gpu_offload.numel() == SMALL_CHUNKS
         assert opt.temp_grad_buffer_for_cpu_offload.numel() == 0
         assert all(b.numel() == 0 for b in opt.param_buffer_of_bit16_for_cpu_offload_groups)
@@ -242,7 +251,7 @@ def test_the_lean_layout_holds_sixteen_bit_gradients_and_nothing_the_size_of_the
 
         def looking(i, lo, hi):
             if i == len(masters) // 2 and lo == 0:
-                seen.append(fp32_group_sized(opt))
+                seen.append(fp32_group_sized(opt, before))
             return widen(i, lo, hi)
 
         monkeypatch.setattr(host, "fp32_gradient", looking)
@@ -250,7 +259,7 @@ def test_the_lean_layout_holds_sixteen_bit_gradients_and_nothing_the_size_of_the
         assert engine.overlap.applied == 1 and seen == [[]]
         monkeypatch.setattr(host, "fp32_gradient", widen)
         train(engine, 2, grad_accum=2)  # pipelined steps
-        assert fp32_group_sized(opt) == []
+        assert fp32_group_sized(opt, before) == []
         assert host.host_bytes() == {"fp32 master": 4 * n, "gradients": 2 * n, "Adam moments": 8 * n,
                                      "fp32 upcast": 4 * SMALL_CHUNKS}
     finally:
