@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from fitone.errors import RunDirError
-from fitone.zero2 import cpu_adam
+from fitone.zero2 import cpu_adam, wrapped_optimizer
 
 if TYPE_CHECKING:  # engine.py imports DeepSpeed; the checkpoint functions only call its methods
     from transformers import PreTrainedModel
@@ -224,7 +224,7 @@ def load(engine: Engine, ckpt: Path) -> dict[str, Any]:
                           "its settings; resume with the options it was written with, or start over in another --out"
                           ) from exc
     set_rng_state(client.get("rng", {}))
-    cpu_adam.replay_steps(getattr(engine.optimizer, "optimizer", None))
+    cpu_adam.replay_steps(wrapped_optimizer(engine.optimizer))
     return read_state(ckpt)
 
 

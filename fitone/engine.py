@@ -61,6 +61,10 @@ class Engine:
     def module(self) -> torch.nn.Module:
         return self.ds.module
 
+    def train_mode(self, training: bool = True) -> None:
+        """Dropout on (training) or off (evaluation), through DeepSpeed's engine as it expects."""
+        self.ds.train(training)
+
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         return self.ds(**batch).loss

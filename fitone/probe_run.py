@@ -45,6 +45,7 @@ from fitone.probe import ProbeResult, TrialResult, _check_arguments, search_batc
 from fitone.runtime import Runtime, build_runtime
 from fitone.zero2 import step_mode
 from fitone.zero2.step_mode import StepMode
+from fitone.zero2.errors import is_gradient_computed_twice
 
 Say = Callable[[str], None]
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -316,7 +317,7 @@ class ProbeSession:
         torch.manual_seed(cfg.seed)  # dropout masks, as in training
         with unforeseen_oom("engine init", verbose=cfg.verbose):
             self.engine = Engine(self.model, self.ds_config, **self.mode.engine_options())
-        self.engine.ds.train()
+        self.engine.train_mode()
         self.init_s += self.engine.init_s
         self.say(f"engine ready in {self.engine.init_s:.1f} s")
 
@@ -334,7 +335,7 @@ class ProbeSession:
         try:
             return self._proven(self._run(size, steps))
         except AssertionError as exc:
-            if not (self._reset_unproven and "computed twice" in str(exc)):
+            if not (self._reset_unproven and is_gradient_computed_twice(exc)):
                 raise
         # reset_after_oom did not restore ZeRO-2's bookkeeping (another DeepSpeed version?): start over
         self.say("ZeRO-2 reports 'Gradient computed twice for this partition' after the engine reset: rebuilding "
@@ -408,10 +409,10 @@ class ProbeSession:
 
     # -- reporting and teardown -------------------------------------------------------------------
     def meta(self) -> dict[str, Any]:
-        import deepspeed
         import transformers
 
         import fitone
+        from fitone.zero2 import installed_version
 
         cfg = self.cfg
         lengths = ({"seq_len": cfg.seq_len} if self.task == CAUSAL
@@ -432,7 +433,7 @@ class ProbeSession:
             "engine_init_s": self.init_s, "model_build_s": self.build_s,
             "engine_rebuilds": self.rebuilds, "skipped_steps": self.skipped_steps,
             "peak_measured": self.device == "cuda",
-            "versions": {"fitone": fitone.__version__, "deepspeed": deepspeed.__version__,
+            "versions": {"fitone": fitone.__version__, "deepspeed": installed_version(),
                          "torch": torch.__version__, "transformers": transformers.__version__},
             "date": dt.datetime.now().isoformat(timespec="seconds"),
         }
@@ -506,10 +507,10 @@ def probe_key(cfg: TrainConfig, config: Any, device: str, mode: StepMode | None 
     Not in it, because a trial's memory does not depend on them: the seed, lr and schedule, the run's length,
     and the accumulation (a probe runs every step as an optimizer step; DeepSpeed's GPU buffer for
     accumulating is allocated at init whatever the accumulation, stage_1_and_2.py line 659)."""
-    import deepspeed
     import transformers
 
     import fitone
+    from fitone.zero2 import installed_version
 
     values = {k: v for k, v in config.to_dict().items() if not k.startswith("_") and k != "transformers_version"}
     lengths = ({"seq_len": cfg.seq_len} if task_of(config) == CAUSAL
@@ -524,7 +525,7 @@ def probe_key(cfg: TrainConfig, config: Any, device: str, mode: StepMode | None 
         "device": device, "gpu": memory.gpu_name(), "max_gpu_memory_bytes": cfg.max_gpu_memory_bytes,
         # what the allocator runs with: a user's PYTORCH_CUDA_ALLOC_CONF overrides --[no-]expandable-segments
         "allocator": memory.allocator_settings(cfg.expandable_segments) if device == "cuda" else None,
-        "world_size": 1, "fitone": fitone.__version__, "deepspeed": deepspeed.__version__,
+        "world_size": 1, "fitone": fitone.__version__, "deepspeed": installed_version(),
         # the allocator and kernels (torch) and the models' code (transformers) decide activation memory too
         "torch": torch.__version__, "transformers": transformers.__version__,
     }

@@ -29,7 +29,7 @@ from fitone.engine import Engine
 from fitone.errors import ConfigError, MemoryBudgetError, TrainingAborted
 from fitone.evaluate import HeldOut, score
 from fitone import loss as fused_loss
-from fitone.guards import BadStepStreak, HostMemoryWatch, StopRequest, is_loss_scale_collapse, numerics_advice
+from fitone.guards import BadStepStreak, HostMemoryWatch, StopRequest, numerics_advice
 from fitone.metrics import MetricsLog
 from fitone.models import (CAUSAL, SEQ2SEQ, LoadedModel, check_seq_len, enable_activation_checkpointing, load_config,
                            load_model, load_tokenizer, require_model, task_of)
@@ -39,6 +39,7 @@ from fitone.rundir import check_checkpoint_room, check_run_dir, setup_run_dir
 from fitone.runtime import Runtime, build_runtime
 from fitone.units import gib
 from fitone.zero2 import step_mode
+from fitone.zero2.errors import is_loss_scale_collapse
 
 
 @dataclass
@@ -329,7 +330,7 @@ class Trainer:
         losses, times, lrs, evals = [], [], [], []
         bar = self._progress_bar()
         peak_rss = memory.host_rss_bytes()
-        engine.ds.train()
+        engine.train_mode()
         try:
             with StopRequest() as stop:
                 while self.state["step"] < self.total_steps:

@@ -6,10 +6,7 @@ numbers are cited in comments; the rows a user reads name what each piece is).
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -323,15 +320,7 @@ def _largest_batch(fits: Callable[[int], bool], start: int) -> int:
 
 
 def _deepspeed_estimate(n_params: int, gpus: int, offload: bool) -> dict[str, int] | None:
-    """DeepSpeed's own numbers (the arithmetic behind estimate_zero2_model_states_mem_needs_all_live)."""
-    if not memory.cuda_ready():  # DeepSpeed falls back to its CPU accelerator itself, warning that it found no GPU
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    try:
-        # DeepSpeed's logger writes to stdout from import on; keep `fitone plan --json` one JSON object
-        with contextlib.redirect_stdout(sys.stderr):
-            from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
-    except Exception:  # an optional comparison; never the reason a plan fails
-        return None
-    host, gpu = estimate_zero2_model_states_mem_needs(n_params, num_gpus_per_node=gpus, num_nodes=1,
-                                                      cpu_offload=offload)
-    return {"gpu": int(gpu), "host": int(host)}
+    """DeepSpeed's own numbers for the model states (fitone.zero2.model_states_estimate), beside the plan's."""
+    from fitone import zero2
+
+    return zero2.model_states_estimate(n_params, gpus=gpus, offload=offload, on_gpu=memory.cuda_ready())
