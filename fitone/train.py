@@ -21,6 +21,7 @@ import torch
 from transformers import PretrainedConfig
 
 from fitone import checkpoint, memory
+from fitone import hf_export
 from fitone.config import TrainConfig
 from fitone.data import (ChatFields, Dataset, Rows, batches, data_file, load_dataset, loss_tokens, open_data,
                          require_one_batch, resume_position, steps_per_epoch)
@@ -505,10 +506,10 @@ class Trainer:
 
     # -- the end --------------------------------------------------------------------------------
     def _export(self) -> Path | None:
-        """DIR/final/ on rank 0 (checkpoint.export): a plain Hugging Face model dir."""
+        """DIR/final/ on rank 0 (hf_export.export): a plain Hugging Face model dir."""
         if self.out is None or not self.runtime.is_main:
             return None
-        return checkpoint.export(self.engine.module, self.loaded.tokenizer, self.out)
+        return hf_export.export(self.engine.module, self.loaded.tokenizer, self.out, say=self._say)
 
     def _score(self, evals: list[dict[str, float]]) -> dict[str, float]:
         """Held-out scores now (evaluate.score); kept with their step in `evals` (rank 0 only has any)."""
