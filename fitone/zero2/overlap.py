@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from fitone.zero2.layout import CHUNK_ELEMENTS
+from fitone.zero2.layout import CHUNK_ELEMENTS, world_size
 
 UPLOAD_CHUNK = CHUNK_ELEMENTS  # elements per pipelined Adam + upload chunk (two fp32 chunks on the GPU: 256 MiB)
 # DeepSpeedCPUAdam's C++ step runs whole SIMD blocks (up to 16 lanes x 8) and a scalar tail: chunks cut at
@@ -274,8 +274,6 @@ class PipelinedUpdate(_OverlappedStep):
                  host: Any = None):
         """chunk_elements: per Adam + upload chunk (default: the lean layout's chunk, else UPLOAD_CHUNK)."""
         super().__init__(optimizer, after=after)
-        from fitone.zero2.layout import world_size
-
         if world_size(optimizer) > 1:
             self.close()
             raise ValueError("the pipelined update runs on one GPU (one rank)")
