@@ -25,7 +25,7 @@ class Engine:
         Default: DeepSpeed's step. A run's StepMode.engine_options() gives both."""
         import deepspeed
 
-        from fitone.zero2 import grad_norm, layout, overflow, overlap
+        from fitone.zero2 import delayed, grad_norm, layout, overflow, overlap
 
         start = time.perf_counter()
         self.host: layout.LeanHost | None = None
@@ -39,9 +39,9 @@ class Engine:
                 model=model, model_parameters=layout.param_groups(model), config=ds_config)
         self.overflow_deferred = overflow.defer_overflow_check(self.optimizer)  # same decision, one sync a step
         grad_norm.one_sum_grad_norm(self.optimizer)  # the clip norm of one group, however many groups
-        self.overlap: overlap.DelayedUpdate | overlap.PipelinedUpdate | None = None
+        self.overlap: delayed.DelayedUpdate | overlap.PipelinedUpdate | None = None
         if delayed_after is not None:
-            self.overlap = overlap.DelayedUpdate(self.optimizer, after=delayed_after)
+            self.overlap = delayed.DelayedUpdate(self.optimizer, after=delayed_after)
         elif pipelined:
             self.host = layout.LeanHost(self.optimizer)
             self.overlap = overlap.PipelinedUpdate(self.optimizer, self.ds.module, after=1, host=self.host)
