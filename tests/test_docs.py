@@ -14,7 +14,7 @@ USER_DOCS = [ROOT / "README.md", ROOT / "tests" / "README.md", ROOT / "bench" / 
              *sorted((ROOT / "docs").glob("*.md"))]
 # this team's own GPU access, which a user does not have: the machines it borrows and the tool that runs them
 TEAM_ONLY = re.compile(r"\blent\b|\blend|device call|device tool|device time|\bcarry\b|\bcarried\b|borrow|"
-                       r"nvidia-h200|shared/gpu|\.whl\b|\$OUT\b", re.IGNORECASE)
+                       r"nvidia-h200|shared/gpu|\.whl\b|\$OUT\b|\banchors\b", re.IGNORECASE)
 
 
 def _name(path: Path) -> str:
