@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from fitone.errors import ConfigError, MemoryBudgetError
@@ -64,7 +65,7 @@ def search_batch_size(
     trials; verification adds at most MAX_VERIFY_TRIES. Raises MemoryBudgetError when no size fits.
     """
     check_arguments(max_batch=max_batch, max_trials=max_trials, margin=margin, start=start,
-                     verify_steps=verify_steps, trial_steps=trial_steps)
+                    verify_steps=verify_steps, trial_steps=trial_steps)
     began = time.perf_counter()
     trials: list[TrialResult] = []
 
@@ -73,88 +74,16 @@ def search_batch_size(
         trials.append(trial)
         return trial
 
-    # -- grow, then bisect ---------------------------------------------------------------------
-    lo, hi = 0, None  # the largest size that fitted, the smallest that did not
-    jump = "unused"  # the memory-line jump: "unused" -> "confirm" (it fitted; try one step above) -> "used"
-    size = start
-    while True:
-        trial = run(size, trial_steps, "search")
-        if trial.fits:
-            lo = max(lo, size)
-        else:
-            hi = size if hi is None else min(hi, size)
-        g = granularity_at(lo)
-        if hi is not None and hi - lo <= g:
-            if lo == 0:  # hi == 1: even one sample is too much
-                log(trial.outcome())
-                raise _too_big(trial, cap_bytes)
-            log(f"{trial.outcome()}; {lo} fits and {hi} does not (granularity {g}): stopping")
-            break
-        if len(trials) >= max_trials:
-            log(f"{trial.outcome()}; stopping after max_trials={max_trials} trials")
-            if lo == 0:
-                raise MemoryBudgetError(
-                    f"no batch size fitted in {max_trials} trials (smallest tried: {hi}): "
-                    f"raise --max-trials or start lower"
-                )
-            break
-        if hi is not None:
-            size = (lo + hi) // 2
-            where = f"bisecting {lo}..{hi}" if lo else "nothing fitted yet, halving"
-            log(f"{trial.outcome()}; {where}: trying {size}")
-            continue
-        if lo >= max_batch:
-            log(f"{trial.outcome()}; reached max_batch={max_batch} without running out of memory: stopping")
-            break
-        size = min(2 * lo, max_batch)
-        why = ""
-        if jump == "confirm":
-            jump = "used"
-            size = min(lo + g, max_batch)
-            why = " (one granularity step above, to confirm the memory line)"
-        elif jump == "unused" and cap_bytes is not None:
-            predicted = _predict_limit(trials, cap_bytes)
-            if predicted is not None and max(predicted, lo + g) < size:
-                jump = "confirm"
-                size = max(predicted, lo + g)
-                why = f" (the memory line predicts {predicted} under the {gib(cap_bytes):.1f} GiB cap)"
-        log(f"{trial.outcome()}; trying {size}{why}")
-
-    # -- margin and verification ----------------------------------------------------------------
-    g = granularity_at(lo)
-    chosen = max(1, math.floor(lo * (1 - margin) + _EPS))
-    verified = False
-    if verify_steps == 0:
-        log(f"largest fit {lo}; with a {percent(margin)} margin choosing {chosen} (not verified: verify_steps=0)")
-    else:
-        log(f"largest fit {lo}; with a {percent(margin)} margin choosing {chosen}; verifying over {verify_steps} steps")
-        failed: list[int] = []
-        while True:
-            trial = run(chosen, verify_steps, "verify")
-            if trial.fits:
-                verified = True
-                log(f"{trial.outcome()} over {verify_steps} steps: verified")
-                break
-            failed.append(chosen)
-            if chosen == 1:
-                log(f"{trial.outcome()} during verification")
-                raise _too_big(trial, cap_bytes)
-            if len(failed) >= MAX_VERIFY_TRIES:
-                log(f"{trial.outcome()} during verification")
-                raise MemoryBudgetError(
-                    f"sizes {', '.join(map(str, failed))} ran out of memory over {verify_steps} steps although "
-                    f"{lo} fitted in the search: memory varies between steps; use a larger --margin (e.g. 0.2)"
-                )
-            smaller = max(1, chosen - max(g, math.ceil(chosen * margin)))
-            log(f"{trial.outcome()} during verification; stepping down to {smaller}")
-            chosen = smaller
-
+    lo = _largest_fit(run, trials, start=start, max_batch=max_batch, max_trials=max_trials,
+                      trial_steps=trial_steps, cap_bytes=cap_bytes, log=log)
+    chosen, verified = _back_off_and_verify(run, lo, margin=margin, verify_steps=verify_steps,
+                                            cap_bytes=cap_bytes, log=log)
     result = ProbeResult(
         trials=trials,
         largest_fit=lo,
         chosen=chosen,
         margin=margin,
-        granularity=g,
+        granularity=granularity_at(lo),
         verified=verified,
         best_throughput=None,
         cap_bytes=cap_bytes,
@@ -166,6 +95,120 @@ def search_batch_size(
     if best is not None and best.batch_size != chosen:
         log(f"best throughput at {best.batch_size}: {best.samples_per_s:.1f} samples/s")
     return result
+
+
+# -- grow, then bisect -----------------------------------------------------------------------------
+Run = Callable[[int, int, str], TrialResult]  # (size, steps, purpose): a trial, recorded
+
+
+@dataclass
+class _Bounds:
+    """What the search trials have shown so far."""
+
+    lo: int = 0  # the largest size that fitted
+    hi: int | None = None  # the smallest size that did not
+    jump: str = "unused"  # the memory-line jump: "unused" -> "confirm" (it fitted; try one step above) -> "used"
+
+    def record(self, size: int, fits: bool) -> None:
+        if fits:
+            self.lo = max(self.lo, size)
+        else:
+            self.hi = size if self.hi is None else min(self.hi, size)
+
+
+def _largest_fit(run: Run, trials: list[TrialResult], *, start: int, max_batch: int, max_trials: int,
+                 trial_steps: int, cap_bytes: int | None, log: Callable[[str], None]) -> int:
+    """Double from `start` until a size runs out of memory (or the memory line predicts it), then bisect."""
+    bounds = _Bounds()
+    size = start
+    while True:
+        trial = run(size, trial_steps, "search")
+        bounds.record(size, trial.fits)
+        if _stop(trial, bounds, len(trials), max_batch=max_batch, max_trials=max_trials, cap_bytes=cap_bytes,
+                 log=log):
+            return bounds.lo
+        size, why = _next_size(bounds, trials, max_batch=max_batch, cap_bytes=cap_bytes)
+        log(f"{trial.outcome()}; {why}")
+
+
+def _stop(trial: TrialResult, bounds: _Bounds, tried: int, *, max_batch: int, max_trials: int,
+          cap_bytes: int | None, log: Callable[[str], None]) -> bool:
+    """Whether the search ends after this trial (logging why); raises when it ends with nothing fitting."""
+    lo, hi = bounds.lo, bounds.hi
+    g = granularity_at(lo)
+    if hi is not None and hi - lo <= g:
+        if lo == 0:  # hi == 1: even one sample is too much
+            log(trial.outcome())
+            raise _too_big(trial, cap_bytes)
+        log(f"{trial.outcome()}; {lo} fits and {hi} does not (granularity {g}): stopping")
+        return True
+    if tried >= max_trials:
+        log(f"{trial.outcome()}; stopping after max_trials={max_trials} trials")
+        if lo == 0:
+            raise MemoryBudgetError(
+                f"no batch size fitted in {max_trials} trials (smallest tried: {hi}): "
+                f"raise --max-trials or start lower"
+            )
+        return True
+    if hi is None and lo >= max_batch:
+        log(f"{trial.outcome()}; reached max_batch={max_batch} without running out of memory: stopping")
+        return True
+    return False
+
+
+def _next_size(bounds: _Bounds, trials: list[TrialResult], *, max_batch: int,
+               cap_bytes: int | None) -> tuple[int, str]:
+    """The next size to try, and the log's words for why: bisect, double, or jump along the memory line."""
+    lo, hi = bounds.lo, bounds.hi
+    if hi is not None:
+        size = (lo + hi) // 2
+        where = f"bisecting {lo}..{hi}" if lo else "nothing fitted yet, halving"
+        return size, f"{where}: trying {size}"
+    g = granularity_at(lo)
+    size = min(2 * lo, max_batch)
+    why = ""
+    if bounds.jump == "confirm":
+        bounds.jump = "used"
+        size = min(lo + g, max_batch)
+        why = " (one granularity step above, to confirm the memory line)"
+    elif bounds.jump == "unused" and cap_bytes is not None:
+        predicted = _predict_limit(trials, cap_bytes)
+        if predicted is not None and max(predicted, lo + g) < size:
+            bounds.jump = "confirm"
+            size = max(predicted, lo + g)
+            why = f" (the memory line predicts {predicted} under the {gib(cap_bytes):.1f} GiB cap)"
+    return size, f"trying {size}{why}"
+
+
+# -- margin and verification -----------------------------------------------------------------------
+def _back_off_and_verify(run: Run, lo: int, *, margin: float, verify_steps: int, cap_bytes: int | None,
+                         log: Callable[[str], None]) -> tuple[int, bool]:
+    """(chosen, verified): the largest fit less the margin, stepped down until it runs `verify_steps` steps."""
+    chosen = max(1, math.floor(lo * (1 - margin) + _EPS))
+    if verify_steps == 0:
+        log(f"largest fit {lo}; with a {percent(margin)} margin choosing {chosen} (not verified: verify_steps=0)")
+        return chosen, False
+    log(f"largest fit {lo}; with a {percent(margin)} margin choosing {chosen}; verifying over {verify_steps} steps")
+    g = granularity_at(lo)
+    failed: list[int] = []
+    while True:
+        trial = run(chosen, verify_steps, "verify")
+        if trial.fits:
+            log(f"{trial.outcome()} over {verify_steps} steps: verified")
+            return chosen, True
+        failed.append(chosen)
+        if chosen == 1:
+            log(f"{trial.outcome()} during verification")
+            raise _too_big(trial, cap_bytes)
+        if len(failed) >= MAX_VERIFY_TRIES:
+            log(f"{trial.outcome()} during verification")
+            raise MemoryBudgetError(
+                f"sizes {', '.join(map(str, failed))} ran out of memory over {verify_steps} steps although "
+                f"{lo} fitted in the search: memory varies between steps; use a larger --margin (e.g. 0.2)"
+            )
+        smaller = max(1, chosen - max(g, math.ceil(chosen * margin)))
+        log(f"{trial.outcome()} during verification; stepping down to {smaller}")
+        chosen = smaller
 
 
 # -- helpers ---------------------------------------------------------------------------------------
