@@ -1,4 +1,4 @@
-"""The overlapped updates (fitone.zero2.overlap: pipelined; fitone.zero2.delayed) on real DeepSpeed ZeRO-2 CPU-offload engines.
+"""The overlapped updates (fitone.zero2.overlap, fitone.zero2.delayed) on real DeepSpeed ZeRO-2 CPU-offload engines.
 
 Tiny T5 on the CPU in fp32 (DeepSpeed refuses fp16 there). What cannot be shown here is the speed: the
 point of the mode is a GPU busy while the CPU runs Adam; on a CPU both share the same cores.
