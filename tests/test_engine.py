@@ -75,15 +75,16 @@ def test_expandable_segments_are_switched_on_unless_the_user_configured_the_allo
     assert memory.use_expandable_segments(False) and len(calls) == 1
 
 
-def _three_steps(timed: bool, **engine_options):
-    """(losses, weights, timers, engines built) of three steps of the tiny engine, with the timing hook or without."""
+def _three_steps(timed: bool, phases: bool = True, **engine_options):
+    """(losses, weights, timers, callbacks seen) of three steps of the tiny engine, with the timing hook or without."""
     import contextlib
 
     from conftest import fixed_batch, tiny_engine, weights
     from fitone.zero2.timing import timed_engines
 
     built: list = []
-    hook = timed_engines(detail_from=2, on_built=built.append) if timed else contextlib.nullcontext([])
+    hook = timed_engines(phases=phases, detail_from=2, on_start=lambda: built.append("start"),
+                         on_built=built.append) if timed else contextlib.nullcontext([])
     with hook as timers:
         engine = tiny_engine(**engine_options)
         try:
@@ -110,7 +111,7 @@ def test_the_phase_timer_reports_each_phase_and_training_is_bit_identical_with_i
     losses, got, timers, built, engine = _three_steps(timed=True)
     assert losses == plain_losses and got.keys() == plain.keys() and all(torch.equal(got[k], plain[k]) for k in got)
     (timer,) = timers
-    assert built == [engine] and engine.timer is timer and timer.applied == [True, True, True]
+    assert built == ["start", engine] and engine.timer is timer and timer.applied == [True, True, True]
     assert len(timer.steps) == 3
     for step in timer.steps:
         assert all(step[k] > 0 for k in ("forward_s", "backward_s", "optimizer_s")), step
@@ -118,6 +119,9 @@ def test_the_phase_timer_reports_each_phase_and_training_is_bit_identical_with_i
     detail = timer.steps[2]
     assert detail["cpu_adam_s"] > 0 and detail["grad_transfer_s"] > 0 and detail["backward_compute_s"] >= 0
     assert detail["cpu_adam_s"] + detail["param_upload_s"] <= detail["optimizer_s"]
+    # the callbacks alone: no timer, so no syncs
+    losses, got, timers, built, engine = _three_steps(timed=True, phases=False)
+    assert timers == [] and engine.timer is None and built == ["start", engine] and losses == plain_losses
 
 
 def test_the_phase_timer_keeps_an_overlapped_updates_counters_once_each():

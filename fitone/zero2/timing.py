@@ -187,6 +187,11 @@ class PhaseTimer:
         self.applied.append(applied)
         self._maybe_start_detail()
 
+    def detail_now(self) -> None:
+        """Time ZeRO-2's parts from the next optimizer step on."""
+        self.detail_from = len(self.steps)
+        self._maybe_start_detail()
+
     def _maybe_start_detail(self) -> None:
         if self._detail is None and self.detail_from is not None and len(self.steps) >= self.detail_from:
             self._detail = OptimizerDetail(self.optimizer, self.sync)
@@ -199,8 +204,9 @@ class PhaseTimer:
 
 
 class _Session:
-    def __init__(self, detail_from: int | None, on_built: Callable[[Any], None] | None):
-        self.detail_from, self.on_built = detail_from, on_built
+    def __init__(self, phases: bool, detail_from: int | None, on_start: Callable[[], None] | None,
+                 on_built: Callable[[Any], None] | None):
+        self.phases, self.detail_from, self.on_start, self.on_built = phases, detail_from, on_start, on_built
         self.timers: list[PhaseTimer] = []
 
 
@@ -208,11 +214,12 @@ _ACTIVE: ContextVar[_Session | None] = ContextVar("fitone_timed_engines", defaul
 
 
 @contextlib.contextmanager
-def timed_engines(*, detail_from: int | None = None,
+def timed_engines(*, phases: bool = True, detail_from: int | None = None, on_start: Callable[[], None] | None = None,
                   on_built: Callable[[Any], None] | None = None) -> Iterator[list[PhaseTimer]]:
     """Time every Engine built inside (the list: their timers, in build order). `detail_from`: the optimizer
-    step from which ZeRO-2's parts are timed too; `on_built(engine)` runs once each Engine is built."""
-    session = _Session(detail_from, on_built)
+    step from which ZeRO-2's parts are timed too; `on_start()` runs as each Engine's construction begins and
+    `on_built(engine)` once it is built. phases=False: the two callbacks only, no timer and no syncs."""
+    session = _Session(phases, detail_from, on_start, on_built)
     token = _ACTIVE.set(session)
     try:
         yield session.timers
@@ -225,11 +232,17 @@ def timed_engines(*, detail_from: int | None = None,
 def timer_for(optimizer: Any, on_gpu: bool) -> PhaseTimer | None:
     """A new engine's timer inside `timed_engines()`, else None (and the engine times nothing)."""
     session = _ACTIVE.get()
-    if session is None:
+    if session is None or not session.phases:
         return None
     timer = PhaseTimer(optimizer, device_sync(on_gpu), detail_from=session.detail_from)
     session.timers.append(timer)
     return timer
+
+
+def engine_starting() -> None:
+    session = _ACTIVE.get()
+    if session is not None and session.on_start is not None:
+        session.on_start()
 
 
 def engine_built(engine: Any) -> None:
