@@ -161,7 +161,7 @@ def test_a_child_that_times_out_leaves_an_error_record_and_the_file(tmp_path):
 
 
 def test_results_append_to_an_existing_file(tmp_path):
-    """A second device call naming the same file adds to it (run_jobs reads what is there first)."""
+    """A second run naming the same file adds to it (run_jobs reads what is there first)."""
     out = tmp_path / "r.json"
     out.write_text(json.dumps([{"tool": "earlier"}]))
     args = bench.parse_args(["--tools", "torch-plain-uncapped", *SMOKE, "--out", str(out)])

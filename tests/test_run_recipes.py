@@ -1,4 +1,4 @@
-"""scripts/bench_recipes.py, the one device call that runs every shipped GPU recipe, in its CPU dry run:
+"""scripts/bench_recipes.py, the one command that runs every shipped GPU recipe, in its CPU dry run:
 real child processes train the tiny model of each recipe's task; the GPU numbers only count on the GPU."""
 
 from __future__ import annotations
