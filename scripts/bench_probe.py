@@ -35,9 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _harness import ROOT, checkout_env, command
-
-CAUSAL_MODELS = ("gpt2", "llama")  # shipped names whose task is causal LM (the rest are T5s)
+from _harness import ROOT, checkout_env, command, model_task
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -87,7 +85,7 @@ def model_args(args: argparse.Namespace) -> list[str]:
 
 
 def is_causal(model: str) -> bool:
-    return model.startswith(CAUSAL_MODELS)
+    return model_task(model) == "causal"  # from its config file, as the tool comparison decides it
 
 
 def fitone_cmd(*arguments: str) -> list[str]:
