@@ -9,7 +9,7 @@ Five runs of t5-tiny on the bundled sample task (fp32, micro-batch 16, clip 1.0,
 The two torch loops say whether a gap between the fitone runs comes from the method (staleness) or from
 fitone's implementation of it.
 
-    python scripts/delayed_update_cpu.py --out bench/results/2026-11-29-cpu-delayed-update/result.json
+    python scripts/quality_cpu.py --out bench/results/2026-11-29-cpu-delayed-update/result.json
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import _harness  # noqa: F401 - the checkout's fitone first on the path
 
 STEPS, AFTER, BATCH = 300, 20, 16
 
