@@ -224,7 +224,7 @@ def test_the_pipelined_update_is_deepspeeds_update_while_the_next_forward_runs()
         engine.sync_weights()
         got = weights(engine)
         assert engine.overlap.applied == 8
-        # the benchmark's split (scripts/bench_gpu.py): each completed update's wall-clock counters
+        # the benchmark's split (scripts/bench_tools.py): each completed update's wall-clock counters
         last = engine.overlap.last_timing
         assert seventh is not None and last is not seventh
         for timing in (seventh, last):

@@ -94,7 +94,7 @@ def record(test: str, **values) -> None:
 def child_env(tmp_path: Path) -> dict[str, str]:
     """Environment for a child `python -m fitone`: this checkout first on the path, the probe cache in
     tmp_path, without the torch.distributed variables this process's engines set (a child would reuse a
-    port in use), and NVLink multicast off (the lent machines' rule, as scripts/gpu_multi_proof.sh).
+    port in use), and NVLink multicast off (NCCL NVLink SHARP off, as scripts/gpu_multi_proof.sh sets it).
     OMP_NUM_THREADS is left as it is: CPU Adam on gpt2 needs the cores."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")}
