@@ -134,6 +134,7 @@ class Trainer:
     # -- setup ----------------------------------------------------------------------------------
     def setup(self) -> None:
         cfg = self.cfg
+        cfg.check_paths()  # the files the options name, once per run
         require_model(cfg.model)
         # everything a user can get wrong is checked first: a mistake costs no weight loading or engine
         # init, and nothing is written until the run directory is set up at the very end
