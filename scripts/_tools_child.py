@@ -154,7 +154,7 @@ def make_batch(job: dict[str, Any], config, size: int, device) -> dict[str, Any]
     from fitone.models import task_of
 
     pad = config.pad_token_id if config.pad_token_id is not None else (config.eos_token_id or 0)
-    batch = worst_case_batch(task_of(config), size, train_config(job, size), config.vocab_size, pad)
+    batch = worst_case_batch(task_of(config), size, train_config(job, size).data_settings(), config.vocab_size, pad)
     return {k: v.to(device) for k, v in batch.items()}
 
 

@@ -201,7 +201,7 @@ def padding(s: dict[str, Any], data: Path, pack: bool, micro_batch: int, micro_s
                       eval_examples=0)
     config = load_config(s["model"], from_scratch=True)
     tok = load_tokenizer(s["model"], config, from_scratch=True)
-    dataset = load_dataset(cfg, CAUSAL, tok, config.vocab_size)
+    dataset = load_dataset(cfg.data_settings(), CAUSAL, tok, config.vocab_size)
     stream = batches(dataset, micro_batch, seed=cfg.seed, pad_id=tok.pad_token_id)
     slots = pad = 0
     for _ in range(micro_steps):

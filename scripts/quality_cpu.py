@@ -48,7 +48,7 @@ def torch_run(lr: float, mode: str) -> dict:
     cfg = TrainConfig(model="t5-tiny", from_scratch=True, data="sample", src_len=8, tgt_len=48, device="cpu")
     lm = load_model("t5-tiny", from_scratch=True, seed=0)
     model = lm.model.train()
-    data = load_dataset(cfg, "seq2seq", lm.tokenizer, lm.config.vocab_size)
+    data = load_dataset(cfg.data_settings(), "seq2seq", lm.tokenizer, lm.config.vocab_size)
     stream = batches(data, BATCH, seed=0, pad_id=lm.tokenizer.pad_token_id)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     params = list(model.parameters())

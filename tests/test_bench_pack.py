@@ -79,7 +79,7 @@ def test_the_packed_padding_count_is_each_rows_fill_after_its_last_example(tmp_p
     config = load_config("gpt2-tiny", from_scratch=True)
     tok = load_tokenizer("gpt2-tiny", config, from_scratch=True)
     examples = load_dataset(TrainConfig(model="gpt2-tiny", from_scratch=True, data=str(data), seq_len=64,
-                                        eval_examples=0), CAUSAL, tok, config.vocab_size)
+                                        eval_examples=0).data_settings(), CAUSAL, tok, config.vocab_size)
     rows = bench_pack.padding(setup, data, True, 1, 1)["rows"]
     counted = bench_pack.padding(setup, data, True, 1, rows)  # one epoch: every packed row once
     exact = 1 - sum(len(e.input_ids) for e in examples.examples) / (rows * 64)

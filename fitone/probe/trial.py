@@ -67,7 +67,7 @@ class ProbeSession:
         except BaseException:
             self.close()  # a half-built engine holds GPU and pinned host memory too
             raise
-        first = worst_case_batch(self.task, 1, cfg, config.vocab_size, self.pad_id, self.data)
+        first = worst_case_batch(self.task, 1, cfg.data_settings(), config.vocab_size, self.pad_id, self.data)
         self.batch_tokens = {k: int(first[k].shape[1]) for k in ("input_ids", "labels")}
         lengths = (f"{self.batch_tokens['input_ids']} tokens" if self.task == CAUSAL
                    else f"{self.batch_tokens['input_ids']} input + {self.batch_tokens['labels']} target tokens")
@@ -111,7 +111,7 @@ class ProbeSession:
         if cfg.data in NAMED_SOURCES or (cfg.pack and self.task == CAUSAL):  # packed: every row is full anyway
             return None, config.pad_token_id if config.pad_token_id is not None else 0
         tokenizer = load_tokenizer(cfg.model, config, from_scratch=cfg.from_scratch)
-        return load_dataset(cfg, self.task, tokenizer, config.vocab_size), tokenizer.pad_token_id
+        return load_dataset(cfg.data_settings(), self.task, tokenizer, config.vocab_size), tokenizer.pad_token_id
 
     # -- a trial ----------------------------------------------------------------------------------
     def try_size(self, size: int, steps: int) -> TrialResult:
@@ -134,7 +134,8 @@ class ProbeSession:
 
     def _run(self, size: int, steps: int) -> TrialResult:
         engine = self.engine
-        batch = worst_case_batch(self.task, size, self.cfg, self.config.vocab_size, self.pad_id, self.data)
+        batch = worst_case_batch(self.task, size, self.cfg.data_settings(), self.config.vocab_size, self.pad_id,
+                                 self.data)
         memory.reset_gpu_peak()  # a fitting trial leaves nothing behind; a failed one was cleaned up after it
         skipped_before = engine.skipped_steps
         times: list[float] = []
