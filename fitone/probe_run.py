@@ -37,14 +37,13 @@ from fitone.ds_config import build_ds_config
 from fitone.engine import Engine
 from fitone.errors import ConfigError
 from fitone import loss as fused_loss
-from fitone.models import (CAUSAL, build_model, check_seq_len, enable_activation_checkpointing, load_config,
-                           load_tokenizer, require_model, task_of)
+from fitone.models import CAUSAL, build_model, check_seq_len, enable_activation_checkpointing, load_tokenizer
 from fitone.packing import require_exact_packing
 from fitone.plan import unforeseen_oom
 from fitone.probe import ProbeResult, TrialResult, _check_arguments, search_batch_size
-from fitone.runtime import Runtime, build_runtime
+from fitone.run import Run, resolve
+from fitone.runtime import Runtime
 from fitone.zero2 import step_mode
-from fitone.zero2.step_mode import StepMode
 
 Say = Callable[[str], None]
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -71,9 +70,6 @@ def probe_batch(
     use_cache: bool = True,
     say: Say = print,
     on_model: Callable[[torch.nn.Module], None] | None = None,
-    runtime: Runtime | None = None,
-    config: Any = None,
-    mode: StepMode | None = None,
     **overrides: Any,
 ) -> ProbeResult:
     """The largest micro-batch that trains on this GPU, its margin-backed choice, and what each trial measured.
@@ -83,87 +79,87 @@ def probe_batch(
     result is always saved. `max_batch` defaults to 4096 on a GPU; on the CPU it must be given (see the
     module's docstring) and the plan's host RAM bounds it. `on_model` is called with the probe's model
     before the engine is built (tests use it to add hooks); its effect is saved like any result, so point
-    FITONE_CACHE_DIR elsewhere. `runtime`, `config` and `mode`: the started runtime, model config (its
-    lengths checked) and step mode of a training run that probes first; a standalone probe makes its own.
-    `wall_s` covers everything from the call: model build, engine init, the search and teardown.
+    FITONE_CACHE_DIR elsewhere. `wall_s` covers everything from the call: model build, engine init, the
+    search and teardown.
     """
     began = time.perf_counter()
     cfg = TrainConfig.with_overrides(cfg, overrides)
-    _check_arguments(max_batch=DEFAULT_MAX_BATCH if max_batch is None else max_batch, max_trials=max_trials,
-                     margin=margin, start=1, verify_steps=verify_steps, trial_steps=1)
-    standalone = runtime is None
-    if standalone:
-        require_model(cfg.model)
-        runtime = build_runtime(cfg)
+    search = dict(max_batch=max_batch, max_trials=max_trials, margin=margin, verify_steps=verify_steps)
+    _check_arguments(**{**search, "max_batch": DEFAULT_MAX_BATCH if max_batch is None else max_batch}, start=1,
+                     trial_steps=1)
+    run = resolve(cfg)
+    runtime = run.runtime()
     try:
-        if config is None:
-            config = load_config(cfg.model, from_scratch=cfg.from_scratch)
-            check_seq_len(config, cfg.seq_len, cfg.model)
-            if cfg.pack and task_of(config) == CAUSAL:
-                require_exact_packing(config)
-        # a probe runs on one GPU: the step these settings take there
-        mode = (mode or step_mode.for_config(cfg, world_size=1, on_gpu=runtime.on_gpu)).on_one_gpu()
-        device = runtime.device
-        if cfg.preflight and standalone:  # the plan's refusals from the config alone (training has made them already)
+        check_seq_len(run.model_config, cfg.seq_len, cfg.model)
+        if cfg.pack and run.task == CAUSAL:
+            require_exact_packing(run.model_config)
+        if cfg.preflight:  # the plan's refusals from the config alone (training has made them already)
             from fitone.plan import preflight
 
-            preflight(cfg, micro_batch=1, world_size=1, config=config, mode=mode)
-        max_batch = _search_ceiling(cfg, device, max_batch, say, config, mode, for_training=not standalone)
-        if standalone:
-            runtime.start()
-            if runtime.world_size > 1:
-                raise ConfigError(f"probe-batch runs on one GPU, but this is rank {runtime.rank} of "
-                                  f"{runtime.world_size}: run `fitone probe-batch` without a launcher, then train "
-                                  "with --batch-size N")
-        key = probe_key(cfg, config, device, mode)
-        search = {"max_batch": max_batch, "max_trials": max_trials, "margin": margin, "verify_steps": verify_steps}
-        cached = (read_cached(key, search) or read_cached(capped_key(key), search)) if use_cache else None
-        if cached is not None:
-            capped = f", capped at max_batch={max_batch}" if cached.meta.get("capped") else ""
-            say(f"reusing the probe saved {cached.meta.get('date', '')} in {cached.meta['cache_file']} (same model "
-                f"config, precision, lengths, GPU and cap{capped}; --no-cache measures again)")
-            result = cached
-        else:
-            session = ProbeSession(cfg, config, device, mode=mode, say=say, on_model=on_model)
-            try:
-                result = search_batch_size(session.try_size, cap_bytes=session.cap_bytes, log=say, **search)
-                result.meta.update(session.meta())
-            finally:
-                session.close()
-            result.meta["gpu_allocated_after_close"] = torch.cuda.memory_allocated() if device == "cuda" else None
-            result.meta["search_s"] = result.wall_s
-            result.wall_s = time.perf_counter() - began
-            # no size ran out of memory: the search stopped at its cap, not at the card's limit
-            result.meta["capped"] = all(t.fits for t in result.trials)
-            result.meta["cache_file"] = str(save_cached(capped_key(key) if result.meta["capped"] else key, search,
-                                                        result))
-            use = (f"capped at max_batch={max_batch} without running out of memory, so --batch-size auto will not "
-                   "reuse it as the card's limit" if result.meta["capped"] else "for --batch-size auto")
-            say(f"probe done in {result.wall_s:.1f} s (engine init {result.meta['engine_init_s']:.1f} s); "
-                f"saved ({use}) in {result.meta['cache_file']}")
+            preflight(run)
+        result = probe_on(run, runtime, **search, use_cache=use_cache, say=say, on_model=on_model, began=began)
         if json_path is not None:
             say(f"wrote {result.save_json(json_path)}")
         if plot_path is not None:
             say(f"wrote {result.plot(plot_path)}")
         return result
     finally:
-        if standalone:  # the process group it started (training closes its own)
-            runtime.close()
+        runtime.close()  # the process group it started (training closes its own)
 
 
-def batch_size_for_training(cfg: TrainConfig, runtime: Runtime, config: Any, mode: StepMode, say: Say = print) -> int:
+def probe_on(run: Run, runtime: Runtime, *, max_batch: int | None = None, max_trials: int = 16,
+             margin: float = 0.05, verify_steps: int = 3, use_cache: bool = True, say: Say = print,
+             on_model: Callable[[torch.nn.Module], None] | None = None, for_training: bool = False,
+             began: float) -> ProbeResult:
+    """The probe of `run` on `runtime` (started here, after the cheap refusals, unless training started it): a
+    saved result for these settings, else a new search, saved. `began`: when the caller's probe started;
+    `for_training`: the probe of `train --batch-size auto`, whose advice names train's flags."""
+    max_batch = _search_ceiling(run, max_batch, say, for_training)
+    runtime.start()
+    if runtime.world_size > 1:
+        raise ConfigError(f"probe-batch runs on one GPU, but this is rank {runtime.rank} of "
+                          f"{runtime.world_size}: run `fitone probe-batch` without a launcher, then train "
+                          "with --batch-size N")
+    key = probe_key(run)
+    search = {"max_batch": max_batch, "max_trials": max_trials, "margin": margin, "verify_steps": verify_steps}
+    cached = (read_cached(key, search) or read_cached(capped_key(key), search)) if use_cache else None
+    if cached is not None:
+        capped = f", capped at max_batch={max_batch}" if cached.meta.get("capped") else ""
+        say(f"reusing the probe saved {cached.meta.get('date', '')} in {cached.meta['cache_file']} (same model "
+            f"config, precision, lengths, GPU and cap{capped}; --no-cache measures again)")
+        return cached
+    session = ProbeSession(run, say=say, on_model=on_model)
+    try:
+        result = search_batch_size(session.try_size, cap_bytes=session.cap_bytes, log=say, **search)
+        result.meta.update(session.meta())
+    finally:
+        session.close()
+    result.meta["gpu_allocated_after_close"] = torch.cuda.memory_allocated() if run.on_gpu else None
+    result.meta["search_s"] = result.wall_s
+    result.wall_s = time.perf_counter() - began
+    # no size ran out of memory: the search stopped at its cap, not at the card's limit
+    result.meta["capped"] = all(t.fits for t in result.trials)
+    result.meta["cache_file"] = str(save_cached(capped_key(key) if result.meta["capped"] else key, search, result))
+    use = (f"capped at max_batch={max_batch} without running out of memory, so --batch-size auto will not "
+           "reuse it as the card's limit" if result.meta["capped"] else "for --batch-size auto")
+    say(f"probe done in {result.wall_s:.1f} s (engine init {result.meta['engine_init_s']:.1f} s); "
+        f"saved ({use}) in {result.meta['cache_file']}")
+    return result
+
+
+def batch_size_for_training(run: Run, runtime: Runtime, say: Say = print) -> int:
     """The micro-batch for `--batch-size auto`: a saved probe for these settings, else a new probe.
 
-    Runs before the training model loads, on training's started runtime, model config and step mode; the
-    probe's model and engine are freed before this returns. With --global-batch the micro-batch is the
-    largest size <= the probe's choice that divides it.
+    Runs before the training model loads, on training's resolved run and started runtime; the probe's model
+    and engine are freed before this returns. With --global-batch the micro-batch is the largest size <= the
+    probe's choice that divides it.
     """
-    world_size = runtime.world_size
+    cfg, world_size = run.settings, run.world_size
     # A ZeRO-2 rank holds the same 16-bit weights, buckets and activations as one GPU alone (measured:
     # 10.7 GiB peak at micro-batch 64 for t5-3b on one and on two H200s), so a one-GPU probe gives the
     # per-GPU micro-batch; ranks cannot probe together (an OOM on one rank hangs the others' collectives).
     # any search settings; never a capped one
-    result = read_cached(probe_key(cfg, config, runtime.device, mode), full_only=True)
+    result = read_cached(probe_key(run), full_only=True)
     if result is not None:
         say(f"--batch-size auto: reusing the probe saved {result.meta.get('date', '')} in "
             f"{result.meta['cache_file']}")
@@ -173,7 +169,8 @@ def batch_size_for_training(cfg: TrainConfig, runtime: Runtime, config: Any, mod
                           "--[no-]pipelined-update flag without a launcher first (or pass --batch-size N)")
     else:
         say("--batch-size auto: no saved probe for this model, precision, lengths, GPU and cap: probing first")
-        result = probe_batch(cfg, use_cache=False, say=say, runtime=runtime, config=config, mode=mode)
+        began = time.perf_counter()
+        result = probe_on(run, runtime, use_cache=False, say=say, for_training=True, began=began)
     how = f"largest fit {result.largest_fit}, {result.margin * 100:g}% margin"
     if cfg.global_batch is not None:
         micro, accum = result.for_global_batch(cfg.global_batch, world_size)
@@ -229,12 +226,11 @@ def save_to_recipe(result: ProbeResult, recipe_path: str | Path) -> Path:
 # one engine, many trials
 # ================================================================================================
 
-def _search_ceiling(cfg: TrainConfig, device: str, max_batch: int | None, say: Say, config: Any,
-                    mode: StepMode, for_training: bool) -> int:
+def _search_ceiling(run: Run, max_batch: int | None, say: Say, for_training: bool) -> int:
     """The largest size the search may try. A GPU's search ends where memory runs out; on the CPU nothing
     does, so the caller must set the ceiling, and the plan's host RAM lowers it (beyond, the OOM killer).
     `for_training`: the probe of `train --batch-size auto`, whose advice names train's flags."""
-    if device == "cuda":
+    if run.on_gpu:
         return DEFAULT_MAX_BATCH if max_batch is None else max_batch
     if max_batch is None:
         fix = ("give --batch-size N instead of auto" if for_training else
@@ -243,10 +239,10 @@ def _search_ceiling(cfg: TrainConfig, device: str, max_batch: int | None, say: S
         raise ConfigError("on the CPU nothing runs out of memory the way a GPU does, so a search for the largest "
                           "micro-batch has no limit to find (it would only stop at 4096, after minutes of CPU "
                           f"steps): {fix}")
-    if cfg.preflight:
+    if run.settings.preflight:
         from fitone.plan import host_micro_batch_bound
 
-        bound = host_micro_batch_bound(cfg, config=config, mode=mode)
+        bound = host_micro_batch_bound(run)
         if 0 < bound < max_batch:
             say(f"on the CPU: the search stops at micro-batch {bound}, the largest the plan fits in host RAM "
                 f"(max_batch was {max_batch})")
@@ -260,16 +256,18 @@ class ProbeSession:
     An out-of-memory error becomes `TrialResult(fits=False, oom_phase=...)`; any other error propagates.
     """
 
-    def __init__(self, cfg: TrainConfig, config: Any, device: str, *, mode: StepMode | None = None, say: Say = print,
-                 on_model: Callable[[torch.nn.Module], None] | None = None):
-        """`mode`: the run's step mode (a probe runs it as on one GPU); decided here when not given."""
-        self.cfg, self.config, self.device, self.say, self.on_model = cfg, config, device, say, on_model
-        self.task = task_of(config)
-        self.cap_bytes = cfg.max_gpu_memory_bytes or memory.gpu_total_bytes()
+    def __init__(self, run: Run, *, say: Say = print, on_model: Callable[[torch.nn.Module], None] | None = None):
+        """`run`: the resolved run it probes (as on one GPU: Run.for_probe)."""
+        self.run = run = run.for_probe()
+        self.cfg, self.config, self.device, self.say, self.on_model = run.settings, run.model_config, run.device, \
+            say, on_model
+        cfg, config = self.cfg, self.config
+        self.task = run.task
+        self.precision = run.precision
+        self.cap_bytes = run.cap_bytes or memory.gpu_total_bytes()
         self.data, self.pad_id = self._worst_case_source()
-        self.ds_config = probe_ds_config(cfg, device)
-        self.mode = (mode or step_mode.for_config(cfg, world_size=1, on_gpu=device == "cuda",
-                                                  ds=self.ds_config)).on_one_gpu()  # training's, on one GPU
+        self.ds_config = probe_ds_config(run)
+        self.mode = run.mode  # training's, on one GPU
         self.update = self.mode.name
         self.rebuilds = 0
         self.skipped_steps = 0
@@ -289,7 +287,7 @@ class ProbeSession:
         where = f"the longest examples of {cfg.data}" if self.data is not None else \
             "full packed rows" if cfg.pack and self.task == CAUSAL else "every sequence at the maximum"
         say(f"worst-case batch: {where} ({lengths} each)")
-        if device != "cuda":
+        if not run.on_gpu:
             say("on the CPU: peak GPU memory is not measurable (recorded as None) and nothing runs out of "
                 "memory the way a GPU does; use a GPU for a real answer")
 
@@ -298,11 +296,11 @@ class ProbeSession:
         cfg = self.cfg
         start = time.perf_counter()
         with unforeseen_oom("model build", verbose=cfg.verbose):
-            self.model = build_random_model(self.config, self.device, DTYPES[cfg.precision], cfg.seed)
+            self.model = build_random_model(self.config, self.device, DTYPES[self.precision], cfg.seed)
         self.model.config.use_cache = False  # as in training (packed rows are only seen without a KV cache)
         if cfg.activation_checkpointing:
             enable_activation_checkpointing(self.model)
-        self.loss_backend = fused_loss.prepare(self.model, device=self.device, precision=cfg.precision,
+        self.loss_backend = fused_loss.prepare(self.model, device=self.device, precision=self.precision,
                                                enabled=cfg.fused_loss)
         if self.on_model is not None:
             self.on_model(self.model)
@@ -311,7 +309,7 @@ class ProbeSession:
         if self.engine is None:
             ckpt = "activation checkpointing" if cfg.activation_checkpointing else "no activation checkpointing"
             self.say(f"built {cfg.model} from its config with random weights ({self.n_params / 1e6:,.1f}M params, "
-                     f"{cfg.precision}, {ckpt}) in {self.build_s:.1f} s; starting the DeepSpeed ZeRO-2 engine "
+                     f"{self.precision}, {ckpt}) in {self.build_s:.1f} s; starting the DeepSpeed ZeRO-2 engine "
                      f"(optimizer on {'the CPU' if cfg.offload == 'cpu' else 'the GPU'})")
         torch.manual_seed(cfg.seed)  # dropout masks, as in training
         with unforeseen_oom("engine init", verbose=cfg.verbose):
@@ -423,7 +421,7 @@ class ProbeSession:
             "data": cfg.data, "pack": cfg.pack,
             "worst_case": "longest examples" if self.data is not None else
             "packed rows" if cfg.pack and self.task == CAUSAL else "maximum lengths",
-            "precision": cfg.precision, "activation_checkpointing": cfg.activation_checkpointing,
+            "precision": self.precision, "activation_checkpointing": cfg.activation_checkpointing,
             "fused_loss": self.loss_backend, "offload": cfg.offload, "update": self.update,
             "pipelined_update": cfg.pipelined_update,
             "ds_config": cfg.ds_config,
@@ -475,14 +473,13 @@ def build_random_model(config, device: str, dtype: torch.dtype, seed: int) -> to
     return model.to(device)  # buffers (init_empty_weights leaves them real, on the CPU)
 
 
-def probe_ds_config(cfg: TrainConfig, device: str) -> dict[str, Any]:
+def probe_ds_config(run: Run) -> dict[str, Any]:
     """Training's DeepSpeed config, with accumulation 1 so every step is an optimizer step.
 
     DeepSpeed fixes the micro-batch at init but takes any batch shape in forward, so one engine built
     for micro-batch 1 serves every size.
     """
-    ds = build_ds_config(cfg.replace(global_batch=None, grad_accum=None), micro_batch=1,
-                         on_gpu=device == "cuda")
+    ds = build_ds_config(run.for_probe())
     ds.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1, train_batch_size=1)
     if "fp16" in ds:
         ds["fp16"] = {**ds["fp16"], "initial_scale_power": PROBE_LOSS_SCALE_POWER}
@@ -499,9 +496,9 @@ def cache_dir() -> Path:
     return Path(root) / "probes"
 
 
-def probe_key(cfg: TrainConfig, config: Any, device: str, mode: StepMode | None = None) -> dict[str, Any]:
-    """Everything that decides how much memory a step takes (the weights' values do not). `mode`: the run's
-    step mode (decided here when not given); the key holds the one a one-GPU probe of it runs.
+def probe_key(run: Run) -> dict[str, Any]:
+    """Everything that decides how much memory a step takes (the weights' values do not), from the resolved
+    run; the key holds the step a one-GPU probe of it runs.
 
     Not in it, because a trial's memory does not depend on them: the seed, lr and schedule, the run's length,
     and the accumulation (a probe runs every step as an optimizer step; DeepSpeed's GPU buffer for
@@ -511,25 +508,25 @@ def probe_key(cfg: TrainConfig, config: Any, device: str, mode: StepMode | None 
 
     import fitone
 
+    cfg, config, device, precision = run.settings, run.model_config, run.device, run.precision
     values = {k: v for k, v in config.to_dict().items() if not k.startswith("_") and k != "transformers_version"}
-    lengths = ({"seq_len": cfg.seq_len} if task_of(config) == CAUSAL
+    lengths = ({"seq_len": cfg.seq_len} if run.task == CAUSAL
                else {"src_len": cfg.src_len, "tgt_len": cfg.tgt_len})
     key: dict[str, Any] = {
         "model_config": _digest(json.dumps(values, sort_keys=True, default=str)),
-        "precision": cfg.precision, "activation_checkpointing": cfg.activation_checkpointing,
+        "precision": precision, "activation_checkpointing": cfg.activation_checkpointing,
         "offload": cfg.offload, **lengths, "data": _data_key(cfg),
-        "fused_loss": fused_loss.fused_loss_backend(config, device=device, precision=cfg.precision)
+        "fused_loss": fused_loss.fused_loss_backend(config, device=device, precision=precision)
         if cfg.fused_loss else None,
         "ds_config": _digest(Path(cfg.ds_config).read_bytes()) if cfg.ds_config else None,
-        "device": device, "gpu": memory.gpu_name(), "max_gpu_memory_bytes": cfg.max_gpu_memory_bytes,
+        "device": device, "gpu": memory.gpu_name(), "max_gpu_memory_bytes": run.cap_bytes,
         # what the allocator runs with: a user's PYTORCH_CUDA_ALLOC_CONF overrides --[no-]expandable-segments
         "allocator": memory.allocator_settings(cfg.expandable_segments) if device == "cuda" else None,
         "world_size": 1, "fitone": fitone.__version__, "deepspeed": deepspeed.__version__,
         # the allocator and kernels (torch) and the models' code (transformers) decide activation memory too
         "torch": torch.__version__, "transformers": transformers.__version__,
     }
-    mode = mode or step_mode.for_config(cfg, world_size=1, on_gpu=device == "cuda", ds=probe_ds_config(cfg, device))
-    if mode.on_one_gpu().name == step_mode.PIPELINED:
+    if run.mode.on_one_gpu().name == step_mode.PIPELINED:
         key["pipelined_update"] = True  # its landing chunks take GPU memory (the delayed update's extra is on the host)
     return key
 

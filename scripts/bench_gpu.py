@@ -1046,8 +1046,7 @@ def measure_fitone(job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     """
     import importlib
 
-    from fitone.ds_config import build_ds_config
-    from fitone.zero2 import step_mode
+    from fitone.run import resolve_planned
 
     (size,) = job["sizes"]
     config = model_config(job)
@@ -1060,10 +1059,7 @@ def measure_fitone(job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     accum = job.get("grad_accum", 1)
     if accum > 1:
         options["global_batch"] = size * accum
-    on_gpu = job["device"] == "cuda"
-    planned = train_config(job, size, **options)
-    mode = step_mode.for_config(planned, world_size=1, on_gpu=on_gpu,
-                                ds=build_ds_config(planned, micro_batch=size, on_gpu=on_gpu)).name
+    mode = resolve_planned(train_config(job, size, **options), 1).mode.name  # the step training will take
     extra = extra if mode == "deepspeed" else 0
     detail_from = warm + timed if extra else None
     with capture_engines(sync, detail_from) as splits:  # before fitone.train is imported, so it sees the patch
@@ -1112,6 +1108,7 @@ def measure_deepspeed(job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     import deepspeed
 
     from fitone.ds_config import build_ds_config
+    from fitone.run import resolve_planned
 
     sizes, sync = job["sizes"], syncer(job["device"])
     accum = job.get("grad_accum", 1)
@@ -1119,7 +1116,7 @@ def measure_deepspeed(job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     model, config, params, build_s = build_on_cpu(job)
     cap_memory(job)
     cfg = train_config(job, sizes[0], **({"global_batch": sizes[0] * accum} if accum > 1 else {}))
-    ds = build_ds_config(cfg, micro_batch=sizes[0], on_gpu=job["device"] == "cuda")
+    ds = build_ds_config(resolve_planned(cfg, 1).with_batch(sizes[0]))  # the job's device (train_config)
     trainable = [p for p in model.parameters() if p.requires_grad]
     groups = split_param_groups(trainable, job.get("ds_param_groups", 1))
     # one group: the flat list, exactly as before the option existed
@@ -1243,10 +1240,11 @@ def hf_trainer(job: dict[str, Any], size: int, max_steps: int, callbacks: list, 
     from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
 
     from fitone.ds_config import build_ds_config
+    from fitone.run import resolve_planned
 
     model, config, params, _ = build_on_cpu(job, checkpointing=False)  # the Trainer switches it on
     cfg = train_config(job, size)
-    ds = build_ds_config(cfg, micro_batch=size, on_gpu=job["device"] == "cuda")
+    ds = build_ds_config(resolve_planned(cfg, 1).with_batch(size))
     ds.update(train_micro_batch_size_per_gpu="auto", train_batch_size="auto", gradient_accumulation_steps="auto")
     names = {f.name for f in dataclasses.fields(Seq2SeqTrainingArguments)}
     ckpt = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"

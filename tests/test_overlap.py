@@ -302,8 +302,8 @@ def test_by_default_a_run_on_one_gpu_takes_the_pipelined_update_and_says_so(monk
 
     train_module = importlib.import_module("fitone.train")  # the module, not fitone.train the function
 
-    real = step_mode.for_config
-    monkeypatch.setattr(step_mode, "for_config", lambda cfg, **kw: real(cfg, **{**kw, "on_gpu": True}))
+    real = step_mode.decide
+    monkeypatch.setattr(step_mode, "decide", lambda ds, **kw: real(ds, **{**kw, "on_gpu": True}))
     built = []  # the overlapped update each engine of a run really holds
 
     class Recorded(Engine):

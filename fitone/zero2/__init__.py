@@ -24,3 +24,10 @@ def check_version() -> None:
     if found.split("+")[0] != DEEPSPEED_VERSION:
         raise DeviceError(f"fitone uses DeepSpeed {DEEPSPEED_VERSION}'s ZeRO-2 internals but deepspeed {found} is "
                           f"installed: pip install deepspeed=={DEEPSPEED_VERSION}")
+
+
+def zero_config_keys() -> list[str]:
+    """The keys DeepSpeed's zero_optimization section takes (a --ds-config's others are typos)."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    return list(DeepSpeedZeroConfig.model_fields)
