@@ -145,7 +145,7 @@ class Trainer:
             self._say(note)
         # an 'auto' batch size is probed first, on its own model copy, before this run's weights load
         if run.batch_is_auto:
-            from fitone.probe_run import batch_size_for_training
+            from fitone.probe.api import batch_size_for_training
 
             run = run.with_batch(batch_size_for_training(run, runtime, say=self._say))
             self._preflight(run)

@@ -17,9 +17,10 @@ import pytest
 import fitone
 import user_models
 from conftest import cpu_config
-from fitone import config, ds_config, probe_run, runtime, units
+from fitone import config, ds_config, runtime, units
 from fitone.engine import Engine
 from fitone.errors import ConfigError
+from fitone.probe import api as probe_api
 from fitone.run import resolve, resolve_planned
 from fitone.zero2 import step_mode
 
@@ -78,7 +79,7 @@ def test_batch_size_auto_decides_each_thing_once_and_builds_one_deepspeed_config
 
     monkeypatch.setattr(Engine, "__init__", counting_init)
     # the CPU has no memory limit for the probe's search to find: training's probe gets a ceiling of 2
-    monkeypatch.setattr(probe_run, "probe_on", functools.partial(probe_run.probe_on, verify_steps=1, max_batch=2))
+    monkeypatch.setattr(probe_api, "probe_on", functools.partial(probe_api.probe_on, verify_steps=1, max_batch=2))
     result = fitone.train(settings(case, tmp_path, text_jsonl))
     assert result.micro_batch == 1 and result.steps == 2 and result.precision == "fp32"  # sizes 1, 2: 2 x 0.95
     assert result.losses and all(loss == loss for loss in result.losses)  # real steps, no NaN
