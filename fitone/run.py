@@ -16,14 +16,14 @@ from typing import Any
 from fitone import ds_config, runtime
 from fitone.config import TrainConfig, resolve_precision
 from fitone.models import load_config, require_model, task_of
-from fitone.runtime import DistInfo, Runtime
+from fitone.runtime import DistInfo, Placement, Runtime
 from fitone.units import parse_size
 from fitone.zero2 import step_mode
 from fitone.zero2.step_mode import StepMode
 
 
 @dataclass(frozen=True)
-class Run:
+class Run(Placement):
     """What a run decided. `settings` are the user's, as given: read its precision, step and cap from here."""
 
     settings: TrainConfig
@@ -39,18 +39,6 @@ class Run:
     micro_batch: int | None = None  # None until an 'auto' size is probed
     accumulation: int | None = None
     total_steps: int | None = None
-
-    @property
-    def on_gpu(self) -> bool:
-        return self.device == "cuda"
-
-    @property
-    def world_size(self) -> int:
-        return self.dist.world_size
-
-    @property
-    def is_main(self) -> bool:
-        return self.dist.is_main
 
     @property
     def batch_is_auto(self) -> bool:

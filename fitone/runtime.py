@@ -205,18 +205,12 @@ def init_distributed(device: str) -> DistInfo:
     return info
 
 
-@dataclass
-class Runtime:
-    """Where this run's engines live, and which rank of how many this process is."""
+class Placement:
+    """Where a run's engines live (`device`) and which rank of how many this process is (`dist`): the one
+    definition of 'runs on a GPU', for the Run that decides it and the Runtime that starts it."""
 
     device: str  # 'cuda' or 'cpu'
     dist: DistInfo
-    verbose: bool = False
-    expandable_segments: bool = True
-    cap_bytes: int | None = None  # the GPU cap start() applies (fitone.run parsed --max-gpu-memory)
-    max_gpu_memory: str | None = None  # as given, for its error
-    started: bool = False
-    owns_group: bool = False  # start() made the process group (not the caller's own init_process_group)
 
     @property
     def rank(self) -> int:
@@ -233,6 +227,20 @@ class Runtime:
     @property
     def on_gpu(self) -> bool:
         return self.device == "cuda"
+
+
+@dataclass
+class Runtime(Placement):
+    """The process's setup for a run's placement: started once, closed at the end."""
+
+    device: str  # 'cuda' or 'cpu'
+    dist: DistInfo
+    verbose: bool = False
+    expandable_segments: bool = True
+    cap_bytes: int | None = None  # the GPU cap start() applies (fitone.run parsed --max-gpu-memory)
+    max_gpu_memory: str | None = None  # as given, for its error
+    started: bool = False
+    owns_group: bool = False  # start() made the process group (not the caller's own init_process_group)
 
     def start(self) -> str:
         """What every engine needs first, for training and probing alike: quiet logs, the process group and
