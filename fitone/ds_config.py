@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from fitone.config import TrainConfig, check_keys
 from fitone.errors import ConfigError
+from fitone.zero2 import zero_config_keys
 
 if TYPE_CHECKING:
     from fitone.run import Run
@@ -135,8 +136,6 @@ def read_user_config(path: str) -> dict[str, Any]:
     check_keys(values, KNOWN_TOP_LEVEL, f"--ds-config {path}")
     zero = values.get("zero_optimization")
     if isinstance(zero, dict):
-        from fitone.zero2 import zero_config_keys
-
         check_keys(zero, zero_config_keys(), f"zero_optimization of --ds-config {path}")
         if zero.get("stage", 2) != 2:
             raise ConfigError(f"--ds-config {path} sets ZeRO stage {zero['stage']}; fitone runs stage 2: "
