@@ -456,7 +456,7 @@ def test_on_the_cpu_the_search_stops_at_the_plans_host_ram_bound(monkeypatch):
     from fitone.plan import preflight
 
     cfg = probe_config()
-    plans = {b: preflight(cfg, micro_batch=b) for b in (5, 6)}  # a CPU run keeps its "GPU" side in host RAM too
+    plans = {b: preflight(resolve(cfg).with_batch(b)) for b in (5, 6)}  # a CPU run keeps its "GPU" side in host RAM too
     need = {b: p.host_export + p.gpu_allocated for b, p in plans.items()}  # the steps' peak and the export's shard
     monkeypatch.setattr(memory, "host_rss_bytes", lambda: 0)
     monkeypatch.setattr(memory, "host_available_bytes", lambda: (need[5] + need[6]) // 2)
