@@ -41,7 +41,7 @@ def test_deepspeeds_op_check_on_the_cpu_prints_no_linker_errors():
     run = _child("import sys; sys.stderr = sys.stdout\n"  # Python's stderr on descriptor 1, as Jupyter's is elsewhere
                  "from fitone.config import TrainConfig\n"
                  "from fitone.run import start_runtime\n"
-                 "cfg = TrainConfig(model='t5-tiny', device='cpu', precision='fp32')\n"
+                 "cfg = TrainConfig(model='t5-tiny', from_scratch=True, device='cpu', precision='fp32')\n"
                  "start_runtime(cfg)\n"
                  "import deepspeed.ops; print('probed', len(deepspeed.ops.__compatible_ops__))\n")
     assert run.returncode == 0, run.stderr
