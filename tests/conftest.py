@@ -42,14 +42,14 @@ def tiny_engine(precision: str = "fp32", model: str = "t5-tiny", **engine_option
 
     from fitone.ds_config import build_ds_config
     from fitone.engine import Engine
-    from fitone.runtime import start_runtime
+    from fitone.run import start_runtime
     from fitone.models import build_model, load_config
 
     cfg = cpu_config(precision=precision, lr=1e-3, lr_schedule="constant", warmup_steps=0)
-    start_runtime(cfg)
+    run = start_runtime(cfg)
     torch.manual_seed(0)
     module = build_model(load_config(model, from_scratch=True))
-    ds = build_ds_config(cfg, micro_batch=4, world_size=1, total_steps=100, on_gpu=False)
+    ds = build_ds_config(run.with_batch(4).with_steps(100))
     return Engine(module, ds, **engine_options)
 
 

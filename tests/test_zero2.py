@@ -25,14 +25,14 @@ def make_engine(precision: str = "bf16", grad_accum: int = 1, *, pipelined: bool
     pipelined update on the lean layout; `chunk` with `pipelined`: its update and layout in such chunks."""
     from fitone.ds_config import build_ds_config
     from fitone.engine import Engine
-    from fitone.runtime import start_runtime
+    from fitone.run import start_runtime
     from fitone.models import build_model, load_config
 
     cfg = cpu_config(precision=precision, lr=1e-3, lr_schedule="constant", warmup_steps=0, grad_accum=grad_accum)
-    start_runtime(cfg)
+    run = start_runtime(cfg)
     torch.manual_seed(0)
     model = build_model(load_config("t5-tiny", from_scratch=True))
-    ds = build_ds_config(cfg, micro_batch=4, world_size=1, total_steps=100, on_gpu=False)
+    ds = build_ds_config(run.with_batch(4).with_steps(100))
     chunked = lean or (pipelined and chunk)
     if chunked:
         ds = layout.lean_offload_config(ds)

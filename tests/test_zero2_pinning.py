@@ -23,13 +23,14 @@ def lean_engine(pipelined: bool):
     from fitone.ds_config import build_ds_config
     from fitone.engine import Engine
     from fitone.models import build_model, load_config
-    from fitone.runtime import start_runtime
+    from fitone.run import resolve_planned, start_runtime
 
     cfg = cpu_config(precision="bf16", lr=1e-3, lr_schedule="constant", warmup_steps=0)
     start_runtime(cfg)
     torch.manual_seed(0)
     model = build_model(load_config("t5-tiny", from_scratch=True))
-    ds = build_ds_config(cfg, micro_batch=4, world_size=1, total_steps=10, on_gpu=True)  # pin_memory: true
+    # pin_memory: true, as planned for a GPU (the engine itself runs on the CPU)
+    ds = build_ds_config(resolve_planned(cfg.replace(device="auto"), 1).with_batch(4).with_steps(10))
     return Engine(model, ds if pipelined else layout.lean_offload_config(ds), pipelined=pipelined)
 
 
@@ -93,12 +94,12 @@ def test_the_lean_layout_refuses_deepspeeds_pinned_buffers():
     from fitone.ds_config import build_ds_config
     from fitone.engine import Engine
     from fitone.models import build_model, load_config
-    from fitone.runtime import start_runtime
+    from fitone.run import resolve_planned, start_runtime
 
     cfg = cpu_config(precision="bf16")
     start_runtime(cfg)
     model = build_model(load_config("t5-tiny", from_scratch=True))
-    engine = Engine(model, build_ds_config(cfg, micro_batch=4, world_size=1, total_steps=10, on_gpu=True))
+    engine = Engine(model, build_ds_config(resolve_planned(cfg.replace(device="auto"), 1).with_batch(4).with_steps(10)))
     try:
         assert engine.optimizer.cpu_offload_pin_memory
         with pytest.raises(ValueError, match="pin_memory false"):
