@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from fitone.cli.options import add_config_flags, add_recipe_arguments, config_from_args
+from fitone.probe import search
 
 # the train options that decide memory (and --global-batch, to split into micro-batch x accumulation)
 PROBE_FLAGS = ["model", "from_scratch", "data", "data_split", "data_config", "chat_template", "pack", "source_field",
@@ -26,13 +27,15 @@ def add_parser(sub) -> None:
     add_recipe_arguments(p)
     add_config_flags(p, PROBE_FLAGS)
     p.add_argument("--max-batch", type=int, default=None,
-                   help="largest size to try (default 4096 on a GPU; needed on the CPU, where nothing runs out of "
-                        "memory the way a GPU does, and bounded there by the plan's host RAM)")
-    p.add_argument("--max-trials", type=int, default=16, help="search trials before settling (default 16)")
-    p.add_argument("--margin", type=float, default=0.05,
+                   help=f"largest size to try (default {search.DEFAULT_MAX_BATCH} on a GPU; needed on the CPU, where "
+                        "nothing runs out of memory the way a GPU does, and bounded there by the plan's host RAM)")
+    p.add_argument("--max-trials", type=int, default=search.DEFAULT_MAX_TRIALS,
+                   help=f"search trials before settling (default {search.DEFAULT_MAX_TRIALS})")
+    p.add_argument("--margin", type=float, default=search.DEFAULT_MARGIN,
                    help="back off from the largest fit by this fraction, for memory that varies between steps "
-                        "(fragmentation, allocator caching); in [0, 0.5), default 0.05")
-    p.add_argument("--verify-steps", type=int, default=3, help="steps that verify the chosen size (0: skip)")
+                        f"(fragmentation, allocator caching); in [0, 0.5), default {search.DEFAULT_MARGIN}")
+    p.add_argument("--verify-steps", type=int, default=search.DEFAULT_VERIFY_STEPS,
+                   help=f"steps that verify the chosen size (0: skip; default {search.DEFAULT_VERIFY_STEPS})")
     p.add_argument("--json", dest="json_path", metavar="PATH", help="write the result as JSON")
     p.add_argument("--plot", dest="plot_path", metavar="PNG", help="plot peak memory and samples/s against size")
     p.add_argument("--save", dest="save_path", metavar="RECIPE.yaml", help="write batch_size: N into this recipe")

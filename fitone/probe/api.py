@@ -19,22 +19,22 @@ from fitone.models import CAUSAL, check_seq_len
 from fitone.packing import require_exact_packing
 from fitone.probe.cache import capped_key, probe_key, read_cached, save_cached
 from fitone.probe.results import ProbeResult
-from fitone.probe.search import check_arguments, search_batch_size
+from fitone.probe.search import (DEFAULT_MAX_BATCH, DEFAULT_MARGIN, DEFAULT_MAX_TRIALS, DEFAULT_VERIFY_STEPS,
+                                  check_arguments, search_batch_size)
 from fitone.probe.trial import ProbeSession, Say
 from fitone.render import plot_probe
 from fitone.run import Run, resolve
 from fitone.runtime import Runtime
 
-DEFAULT_MAX_BATCH = 4096  # on a GPU, where running out of memory ends the search well before it
 
 
 def probe_batch(
     cfg: TrainConfig | None = None,
     *,
     max_batch: int | None = None,
-    max_trials: int = 16,
-    margin: float = 0.05,
-    verify_steps: int = 3,
+    max_trials: int = DEFAULT_MAX_TRIALS,
+    margin: float = DEFAULT_MARGIN,
+    verify_steps: int = DEFAULT_VERIFY_STEPS,
     json_path: str | Path | None = None,
     plot_path: str | Path | None = None,
     use_cache: bool = True,
@@ -46,7 +46,7 @@ def probe_batch(
 
     Takes the same options as `train` (a TrainConfig and/or its fields). A saved result for the same
     memory-deciding settings and the same search settings is reused unless `use_cache=False`; a new
-    result is always saved. `max_batch` defaults to 4096 on a GPU; on the CPU it must be given (see the
+    result is always saved. `max_batch` defaults to DEFAULT_MAX_BATCH on a GPU; on the CPU it must be given (see the
     module's docstring) and the plan's host RAM bounds it. `on_model` is called with the probe's model
     before the engine is built (tests use it to add hooks); its effect is saved like any result, so point
     FITONE_CACHE_DIR elsewhere. `wall_s` covers everything from the call: model build, engine init, the
@@ -78,8 +78,9 @@ def probe_batch(
         runtime.close()  # the process group it started (training closes its own)
 
 
-def probe_on(run: Run, runtime: Runtime, *, max_batch: int | None = None, max_trials: int = 16,
-             margin: float = 0.05, verify_steps: int = 3, use_cache: bool = True, say: Say = print,
+def probe_on(run: Run, runtime: Runtime, *, max_batch: int | None = None, max_trials: int = DEFAULT_MAX_TRIALS,
+             margin: float = DEFAULT_MARGIN, verify_steps: int = DEFAULT_VERIFY_STEPS, use_cache: bool = True,
+             say: Say = print,
              on_model: Callable[[torch.nn.Module], None] | None = None, for_training: bool = False,
              began: float) -> ProbeResult:
     """The probe of `run` on `runtime` (started here, after the cheap refusals, unless training started it): a
@@ -163,8 +164,8 @@ def _search_ceiling(run: Run, max_batch: int | None, say: Say, for_training: boo
                "cap the probe with --max-batch N (probe_batch(max_batch=N)) to time sizes up to N, or train without "
                "one: `fitone train --batch-size N`")
         raise ConfigError("on the CPU nothing runs out of memory the way a GPU does, so a search for the largest "
-                          "micro-batch has no limit to find (it would only stop at 4096, after minutes of CPU "
-                          f"steps): {fix}")
+                          f"micro-batch has no limit to find (it would only stop at {DEFAULT_MAX_BATCH}, after minutes "
+                          f"of CPU steps): {fix}")
     if run.settings.preflight:
         from fitone.plan import host_micro_batch_bound
 

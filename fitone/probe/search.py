@@ -32,6 +32,11 @@ from fitone.render import percent
 from fitone.units import gib
 
 GRANULARITY_DIVISOR = 16  # bisect until hi - lo <= max(1, lo // 16)
+# The search's defaults, one set for probe_batch, training's --batch-size auto and `fitone probe-batch`
+DEFAULT_MAX_BATCH = 4096  # on a GPU, where running out of memory ends the search well before it
+DEFAULT_MAX_TRIALS = 16
+DEFAULT_MARGIN = 0.05
+DEFAULT_VERIFY_STEPS = 3
 MAX_VERIFY_TRIES = 3  # sizes verified before giving up: more means memory varies far beyond the margin
 _EPS = 1e-9  # keeps floor(100 * 0.95) at 95 despite binary fractions
 
@@ -49,11 +54,11 @@ def granularity_at(size: int) -> int:
 def search_batch_size(
     try_size: Callable[[int, int], TrialResult],
     *,
-    max_batch: int = 4096,
-    max_trials: int = 16,
-    margin: float = 0.05,
+    max_batch: int = DEFAULT_MAX_BATCH,
+    max_trials: int = DEFAULT_MAX_TRIALS,
+    margin: float = DEFAULT_MARGIN,
     start: int = 1,
-    verify_steps: int = 3,
+    verify_steps: int = DEFAULT_VERIFY_STEPS,
     trial_steps: int = 1,
     cap_bytes: int | None = None,
     log: Callable[[str], None] = print,
