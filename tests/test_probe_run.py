@@ -18,6 +18,7 @@ import math
 import shutil
 import weakref
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -494,20 +495,29 @@ def test_a_capped_probe_is_never_reused_as_a_probe_of_the_card(cache_root):
 
 
 # -- the saved results -----------------------------------------------------------------------------
-def _key_change(change: str, tmp_path, monkeypatch, t5_dir: Path) -> tuple[dict, dict]:
-    """The probe keys of a base setting and of the same setting with `change` made; each case names one
-    thing that decides a trial's memory (ProbeSession: the model it builds, its dtype, checkpointing, the
-    engine and its step, the worst-case batch, the allocator and its cap, and the code that runs them)."""
+# one setting changed by a replace: the case's name and the change
+_REPLACED = {
+    "precision": {"precision": "bf16"}, "src_len": {"src_len": 16}, "tgt_len": {"tgt_len": 16},
+    "seq_len": {"seq_len": 32}, "activation_checkpointing": {"activation_checkpointing": False},
+    "offload": {"offload": "none"},
+    "pipelined_update": {"pipelined_update": True},  # its landing chunks on the GPU
+    "pipelined_on_gpu": {"pipelined_update": False},  # the default on one GPU; --no-pipelined-update: DeepSpeed's
+    "max_gpu_memory": {"max_gpu_memory": "20GiB"}, "expandable_segments": {"expandable_segments": False},
+    "pack": {"pack": True}, "data_dir_split": {"data_split": "validation"},
+    "hub_config": {"data_config": "subset"},  # a hub dataset's configuration (subset)
+    "data_fields": {"source_field": "text"}, "prompt_field": {"prompt_field": "prompt"},
+}
+
+
+def _key_base(change: str, tmp_path, t5_dir: Path, data: Path) -> tuple[Any, Any, str]:
+    """The base settings, model config and device a case starts from."""
     t5, gpt = load_config("t5-tiny", from_scratch=True), load_config("gpt2-tiny", from_scratch=True)
-    data = tmp_path / "d.jsonl"
-    data.write_text('{"source": "a", "target": "b", "text": "c", "prompt": "d"}\n')
     base, config, device = probe_config(data=str(data)), t5, "cpu"
-    changed, changed_config, changed_device = None, t5, "cpu"
     if change in ("seq_len", "pack"):  # a causal LM's
-        base, config, changed_config = probe_config(data=str(data), seq_len=16), gpt, gpt
+        base, config = probe_config(data=str(data), seq_len=16), gpt
     if change in ("expandable_segments", "allocator_env", "pipelined_on_gpu"):
-        device = changed_device = "cuda"
-    if change == "tokenizer_files" or change == "model_dir":
+        device = "cuda"
+    if change in ("tokenizer_files", "model_dir"):
         model_dir = tmp_path / "model"
         shutil.copytree(t5_dir, model_dir)
         base = base.replace(model=str(model_dir), from_scratch=False)
@@ -521,71 +531,57 @@ def _key_change(change: str, tmp_path, monkeypatch, t5_dir: Path) -> tuple[dict,
         base = base.replace(data=str(tmp_path / "shards" / "*.jsonl"))
     if change == "hub_config":
         base = base.replace(data="org/dataset")
-    before = key_of(base, config, device)
-    if change == "model_config":
-        changed_config = load_config("t5-small", from_scratch=True)
-    elif change == "precision":
-        changed = base.replace(precision="bf16")
-    elif change == "src_len":
-        changed = base.replace(src_len=16)
-    elif change == "tgt_len":
-        changed = base.replace(tgt_len=16)
-    elif change == "seq_len":
-        changed = base.replace(seq_len=32)
-    elif change == "activation_checkpointing":
-        changed = base.replace(activation_checkpointing=False)
-    elif change == "offload":
-        changed = base.replace(offload="none")
-    elif change == "pipelined_update":  # its landing chunks on the GPU
-        changed = base.replace(pipelined_update=True)
-    elif change == "pipelined_on_gpu":  # the default on one GPU; --no-pipelined-update takes DeepSpeed's
-        changed = base.replace(pipelined_update=False)
-    elif change == "max_gpu_memory":
-        changed = base.replace(max_gpu_memory="20GiB")
-    elif change == "expandable_segments":
-        changed = base.replace(expandable_segments=False)
-    elif change == "allocator_env":  # the user's allocator settings win over the flag
+    return base, config, device
+
+
+def _changed_elsewhere(change: str, base: Any, tmp_path, monkeypatch, data: Path) -> Any:
+    """The cases that change a file, the environment or a version rather than a setting: the settings after."""
+    if change == "allocator_env":  # the user's allocator settings win over the flag
         monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
-    elif change == "pack":
-        changed = base.replace(pack=True)
     elif change == "data_file":
         other = tmp_path / "other.jsonl"
         other.write_text(data.read_text())
-        changed = base.replace(data=str(other))
+        return base.replace(data=str(other))
     elif change == "data_edited":
         data.write_text('{"source": "a longer one", "target": "b", "text": "c", "prompt": "d"}\n')
     elif change == "data_glob":
         (tmp_path / "shards" / "b.jsonl").write_text(data.read_text())
-    elif change == "data_dir_split":
-        changed = base.replace(data_split="validation")
-    elif change == "hub_config":  # a hub dataset's configuration (subset)
-        changed = base.replace(data_config="subset")
-    elif change == "data_fields":
-        changed = base.replace(source_field="text")
-    elif change == "prompt_field":
-        changed = base.replace(prompt_field="prompt")
     elif change == "chat_template":
         template = tmp_path / "chat.jinja"
         template.write_text("{{ messages }}")
-        changed = base.replace(chat_template=str(template))
+        return base.replace(chat_template=str(template))
     elif change == "tokenizer_files":  # the worst case is the data as this tokenizer cuts it
         tokenizer_config = Path(base.model) / "tokenizer_config.json"
         tokenizer_config.write_text(tokenizer_config.read_text() + "\n")
     elif change == "model_dir":
-        changed = base.replace(model=str(shutil.copytree(base.model, tmp_path / "model2")))
+        return base.replace(model=str(shutil.copytree(base.model, tmp_path / "model2")))
     elif change == "ds_config":
         ds = tmp_path / "ds.json"
         ds.write_text('{"zero_optimization": {"reduce_bucket_size": 1000}}')
-        changed = base.replace(ds_config=str(ds))
-    elif change == "device":
-        changed_device = "cuda"
+        return base.replace(ds_config=str(ds))
     elif change == "gpu":
         monkeypatch.setattr("fitone.memory.gpu_name", lambda: "NVIDIA H200")
     elif change in ("torch", "transformers", "deepspeed", "fitone"):
         monkeypatch.setattr(importlib.import_module(change), "__version__", "0.0.0-other")
-    else:
+    elif change not in ("model_config", "device"):
         raise AssertionError(f"no such case {change}")
-    return before, key_of(changed or base, changed_config, changed_device)
+    return base
+
+
+def _key_change(change: str, tmp_path, monkeypatch, t5_dir: Path) -> tuple[dict, dict]:
+    """The probe keys of a base setting and of the same setting with `change` made; each case names one
+    thing that decides a trial's memory (ProbeSession: the model it builds, its dtype, checkpointing, the
+    engine and its step, the worst-case batch, the allocator and its cap, and the code that runs them)."""
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"source": "a", "target": "b", "text": "c", "prompt": "d"}\n')
+    base, config, device = _key_base(change, tmp_path, t5_dir, data)
+    before = key_of(base, config, device)
+    if change in _REPLACED:
+        changed = base.replace(**_REPLACED[change])
+    else:
+        changed = _changed_elsewhere(change, base, tmp_path, monkeypatch, data)
+    changed_config = load_config("t5-small", from_scratch=True) if change == "model_config" else config
+    return before, key_of(changed, changed_config, "cuda" if change == "device" else device)
 
 
 @pytest.mark.parametrize("change", [
