@@ -133,3 +133,16 @@ def test_no_import_cycle_among_fitone_modules():
     graph = import_graph()
     assert {"fitone.plan.components", "fitone.render"} <= set(graph)  # the walk found the tree
     assert cycles(graph) == []
+
+
+def test_nothing_imports_upward_into_the_cli_and_the_floors_import_nothing_above_them():
+    """Imports point down: the CLI is a thin layer that nothing below imports (the API works without it);
+    errors.py is the floor every module may raise from, and memory.py's readings need only units."""
+    graph = import_graph()
+    into_cli = sorted(f"{m} imports {n}" for m, names in graph.items()
+                      if not (m == "fitone.cli" or m.startswith("fitone.cli.") or m == "fitone.__main__")
+                      for n in names if n == "fitone.cli" or n.startswith("fitone.cli."))
+    assert into_cli == []
+    assert graph["fitone.errors"] == set()
+    assert graph["fitone.memory"] <= {"fitone.units"}, graph["fitone.memory"]
+    assert graph["fitone.units"] <= {"fitone.errors"}, graph["fitone.units"]
