@@ -35,22 +35,39 @@ def cpu_config(**overrides) -> TrainConfig:
     return TrainConfig(**values)
 
 
-def tiny_engine(precision: str = "fp32", model: str = "t5-tiny", **engine_options):
-    """A real ZeRO-2 CPU-offload engine on the tiny T5 (or `model`; seeded weights, micro-batch 4, constant
-    lr 1e-3, clip 1.0 so the clip path runs); `engine_options` go to fitone.engine.Engine."""
+def tiny_engine(precision: str = "fp32", model: str = "t5-tiny", *, grad_accum: int = 1, gpu_ds_config: bool = False,
+                lean: bool = False, lean_host: bool = True, chunk: int | None = None, pipelined: bool = False,
+                delayed_after: int | None = None):
+    """A real ZeRO-2 CPU-offload engine on the tiny T5 (or `model`; seeded weights, micro-batch 4, constant lr
+    1e-3, clip 1.0 so the clip path runs), the one engine builder of the CPU tests.
+
+    `pipelined`, `delayed_after`: fitone.engine.Engine's own updates. `gpu_ds_config`: the DeepSpeed config a GPU
+    run gets (pin_memory, overlap_comm), on this CPU engine. `lean`: the lean host layout in chunks of `chunk`
+    elements with no update on it (only to compare gradients: DeepSpeed's own step is refused there), its
+    LeanHost left to the test with `lean_host=False`; `chunk` with `pipelined`: the pipelined update and its
+    layout built here in such chunks, instead of by the Engine."""
     import torch
 
     from fitone.ds_config import build_ds_config
     from fitone.engine import Engine
     from fitone.runtime import start_runtime
     from fitone.models import build_model, load_config
+    from fitone.zero2 import layout, overlap
 
-    cfg = cpu_config(precision=precision, lr=1e-3, lr_schedule="constant", warmup_steps=0)
+    cfg = cpu_config(precision=precision, lr=1e-3, lr_schedule="constant", warmup_steps=0, grad_accum=grad_accum)
     start_runtime(cfg)
     torch.manual_seed(0)
     module = build_model(load_config(model, from_scratch=True))
-    ds = build_ds_config(cfg, micro_batch=4, world_size=1, total_steps=100, on_gpu=False)
-    return Engine(module, ds, **engine_options)
+    ds = build_ds_config(cfg, micro_batch=4, world_size=1, total_steps=100, on_gpu=gpu_ds_config)
+    chunked = lean or bool(pipelined and chunk)
+    if chunked:
+        ds = layout.lean_offload_config(ds)
+    engine = Engine(module, ds, pipelined=pipelined and not chunked, delayed_after=delayed_after)
+    if chunked and lean_host:
+        engine.host = layout.LeanHost(engine.optimizer, chunk_elements=chunk)
+    if pipelined and chunked:
+        engine.overlap = overlap.PipelinedUpdate(engine.optimizer, engine.module, after=1, host=engine.host)
+    return engine
 
 
 def fixed_batch(step: int, vocab: int = 256) -> dict:
@@ -133,15 +150,17 @@ def run_main(argv: list[str]) -> tuple[int, str, str]:
     return rc, out.getvalue(), err.getvalue()
 
 
-def child_env() -> dict[str, str]:
-    """Environment for a child `python -m fitone`: this checkout importable, one OpenMP thread (no
-    spinning against the test process on a shared machine), and without the torch.distributed
-    variables an in-process run set here (the child would reuse a port in use)."""
+def child_env(*, one_thread: bool = True, drop: tuple[str, ...] = (), **values: str) -> dict[str, str]:
+    """Environment for a child process (`python -m fitone`, a script): this checkout first on the path, one OpenMP
+    thread (no spinning against the test process on a shared machine; `one_thread=False` leaves the setting as it
+    is), and without the torch.distributed variables an in-process run set here (the child would reuse a port in
+    use) nor the variables in `drop`; `values` are set over all that."""
     env = {k: v for k, v in os.environ.items()
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")
-    env["OMP_NUM_THREADS"] = "1"
-    return env
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", *drop)}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    if one_thread:
+        env["OMP_NUM_THREADS"] = "1"
+    return {**env, **values}
 
 
 def run_child(command: list[str], *, timeout: float, **options) -> subprocess.CompletedProcess:
