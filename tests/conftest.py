@@ -195,3 +195,45 @@ def deepspeed_ops_built() -> Path:
     if not all(extensions.is_built(name) for name in extensions.OPS):
         tiny_engine().close()
     return extensions.extensions_root()
+
+
+# -- the slow marker ------------------------------------------------------------------------------
+# Tests that take over ~20 s each on a loaded 2-core CPU (measured with --durations), by module file name and test
+# function ("*": every test of the module, where a module-scoped fixture is the slow part). Marked here, in one
+# list, so the marker does not touch the test modules; `python -m pytest -q -m "not slow"` is the quick pass and
+# the README's command still runs them all.
+SLOW: dict[str, tuple[str, ...]] = {
+    "test_bench_smoke.py": ("test_every_tool_writes_a_record_with_the_promised_fields",  # the `smoke` fixture's
+                            "test_step_times_are_medians_of_the_timed_steps",
+                            "test_all_tools_train_the_same_model_on_the_same_data",
+                            "test_each_loop_records_where_a_step_goes", "test_child_logs_and_table_are_written",
+                            "test_a_causal_lm_runs_at_its_seq_len_with_accumulation",  # the `causal` fixture's
+                            "test_the_split_adds_up_every_micro_batch_of_a_step",
+                            "test_the_stock_loop_hands_deepspeed_the_parameter_groups",
+                            "test_the_update_modes_run_as_their_own_tools",
+                            "test_a_child_cut_by_a_test_timeout_leaves_no_process_behind"),
+    "test_distributed.py": ("*",),  # torchrun children; its fixture took 314 s (bench/results/2026-12-01-issue26-cpu)
+    "test_overlap.py": ("test_in_bf16_the_pipelined_update_follows_the_default_and_the_delayed_one_lags",
+                        "test_the_pipelined_update_trains_exports_and_resumes",
+                        "test_by_default_a_run_on_one_gpu_takes_the_pipelined_update_and_says_so",
+                        "test_the_pipelined_update_on_a_causal_lm_with_tied_weights_and_accumulation",
+                        "test_train_with_the_delayed_update_learns_exports_and_resumes"),
+    "test_quiet.py": ("test_offload_none_builds_no_deepspeed_op_and_trains",
+                      "test_plan_on_a_machine_without_a_gpu_prints_no_deepspeed_warning",
+                      "test_on_the_cpu_a_run_that_names_no_precision_trains_in_fp32_with_a_note",
+                      "test_an_unknown_model_without_a_network_is_one_line_at_once"),
+    "test_run_recipes.py": ("test_the_dry_run_trains_each_recipe_in_a_child_and_records_it",),
+    "test_runtime.py": ("test_a_run_destroys_the_process_group_it_made_and_keeps_its_caller_s",
+                        "test_a_taken_master_port_from_the_user_is_one_line_from_the_cli"),
+    "test_zero2.py": ("test_a_checkpoint_resumes_across_the_one_group_and_the_grouped_layouts",
+                      "test_the_pipelined_update_on_the_lean_layout_follows_deepspeeds_step_with_accumulation",
+                      "test_the_lean_layout_trains_bit_for_bit_as_deepspeeds_layout"),
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # marked before `-m` deselects by the marks (SLOW's names: tests/test_tree.py)
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        names = SLOW.get(item.path.name, ())
+        if "*" in names or getattr(item, "originalname", item.name) in names:
+            item.add_marker(pytest.mark.slow)
