@@ -11,12 +11,15 @@ import re
 import shutil
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from fitone.config import TrainConfig, check_keys
 from fitone.errors import ConfigError
+
+if TYPE_CHECKING:
+    from fitone.probe.results import ProbeResult
 
 
 def recipe_dir() -> Path:
@@ -178,3 +181,71 @@ def _numbers(values: dict[str, Any]) -> dict[str, Any]:
                 value = int(number)
         out[key] = value
     return out
+
+
+def save_to_recipe(result: ProbeResult, recipe_path: str | Path) -> Path:
+    """Write `batch_size: N` into a recipe YAML, in place, keeping its comments; say what was measured.
+
+    The value of a top-level `batch_size:` line is replaced (its inline comment kept) or the line is
+    added; a `# probe-batch: ...` line at the end of the header comment records the measurement. A file
+    that does not exist yet becomes a recipe of the probed settings.
+    """
+    path = Path(recipe_path)
+    note = f"# probe-batch: {_measured(result)}"
+    if path.exists():
+        lines = path.read_text().splitlines()
+    else:
+        lines = [f"{k}: {_yaml_scalar(v)}" for k, v in _recipe_values(result.meta).items()]
+    lines = [line for line in lines if not line.startswith("# probe-batch:")]
+    for i, line in enumerate(lines):
+        m = re.match(r"batch_size\s*:\s*[^#]*?(\s+#.*)?$", line)
+        if m:
+            lines[i] = f"batch_size: {result.chosen}{m.group(1) or ''}"
+            break
+    else:
+        lines.append(f"batch_size: {result.chosen}")
+    header_end = next((i for i, line in enumerate(lines) if not line.startswith("#")), len(lines))
+    lines.insert(header_end, note)
+    text = "\n".join(lines) + "\n"
+    try:
+        values = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--save {path}: cannot update this YAML ({exc}); add `batch_size: "
+                          f"{result.chosen}` by hand") from exc
+    if not isinstance(values, dict) or values.get("batch_size") != result.chosen:
+        raise ConfigError(f"--save {path}: not a flat recipe with one `batch_size:` line; add `batch_size: "
+                          f"{result.chosen}` by hand")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+    return path
+
+
+def _measured(result: ProbeResult) -> str:
+    m = result.meta
+    lengths = f"seq {m['seq_len']}" if "seq_len" in m else f"src/tgt {m.get('src_len')}/{m.get('tgt_len')}"
+    cap = f", cap {m['max_gpu_memory']}" if m.get("max_gpu_memory") else ""
+    check = "verified" if result.verified else "not verified"
+    return (f"batch_size {result.chosen} = largest fit {result.largest_fit} less a {result.margin * 100:g}% "
+            f"margin ({check}); {m.get('model')} {m.get('precision')}, {lengths}, "
+            f"{'activation checkpointing' if m.get('activation_checkpointing') else 'no checkpointing'}, "
+            f"on {m.get('gpu')}{cap} ({m.get('date', '')[:10]})")
+
+
+def _recipe_values(meta: dict[str, Any]) -> dict[str, Any]:
+    names = ("model", "from_scratch", "data", "pack", "src_len", "tgt_len", "seq_len", "precision",
+             "activation_checkpointing", "offload", "max_gpu_memory", "device")
+    values = {k: meta[k] for k in names if meta.get(k) is not None}
+    # the optimizer step, only where the default would take another one (a saved probe serves both a
+    # default run and an explicit --pipelined-update on a GPU: the recipe must not pin what was not asked)
+    on_gpu = meta.get("device") == "cuda"
+    if meta.get("update") == "pipelined" and not on_gpu:
+        values["pipelined_update"] = True
+    elif meta.get("update") == "deepspeed" and on_gpu and meta.get("offload") == "cpu":
+        values["pipelined_update"] = False
+    return values
+
+
+def _yaml_scalar(value: Any) -> str:
+    return yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("...").strip()

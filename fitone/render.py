@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
     from fitone.plan import Component, Plan
-    from fitone.probe import ProbeResult
+    from fitone.probe.results import ProbeResult
 
 DPI = 110
 

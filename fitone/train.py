@@ -240,7 +240,7 @@ class Trainer:
     def _resolve_batch_size(self) -> int:
         if self.cfg.batch_size != "auto":
             return int(self.cfg.batch_size)
-        from fitone.probe_run import batch_size_for_training
+        from fitone.probe.api import batch_size_for_training
 
         return batch_size_for_training(self.cfg, self.runtime, self.config, self.mode, say=self._say)
 

@@ -181,7 +181,7 @@ def summarise(records: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def probe_from_log(text: str) -> dict[str, Any]:
-    """What `--batch-size auto` said it chose (fitone/probe_run.py's lines)."""
+    """What `--batch-size auto` said it chose (fitone/probe/api.py's lines)."""
     chose = re.search(r"--batch-size auto: micro-batch (\d+)(?: x (\d+) accumulation)?.*?largest fit (\d+)", text)
     took = re.search(r"probe done in ([\d.]+) s", text)
     return {

@@ -104,7 +104,7 @@ def test_sample_task_has_train_and_held_out_splits():
 
 
 def test_the_held_out_examples_are_the_eval_splits_first_n_in_order(tmp_path):
-    """As the README says: --eval-data's validation split, else its test split, scored on its first
+    """As docs/guide.md says: --eval-data's validation split, else its test split, scored on its first
     --eval-examples examples in the data's own order."""
     import datasets
 

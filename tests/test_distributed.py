@@ -83,8 +83,8 @@ def test_two_ranks_resume_with_the_same_world_size(tmp_path):
     assert apart(_losses(out), _losses(straight), fp32_loss_drift, first_differing_step=7) == []
 
 
-def test_the_readme_deepspeed_command_runs_two_ranks_through_deepspeeds_launcher(tmp_path):
-    """The README's `deepspeed --num_gpus N --module fitone train ...` line, as DeepSpeed parses it, then
+def test_the_docs_deepspeed_command_runs_two_ranks_through_deepspeeds_launcher(tmp_path):
+    """docs/multi-gpu.md's `deepspeed --num_gpus N --module fitone train ...` line, as DeepSpeed parses it, then
     DeepSpeed's per-node launcher (what that command runs on this machine) with two CPU ranks: it adds
     `--local_rank=N` to fitone's arguments, which fitone must accept."""
     import base64
@@ -92,8 +92,8 @@ def test_the_readme_deepspeed_command_runs_two_ranks_through_deepspeeds_launcher
 
     from deepspeed.launcher.runner import parse_args
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    line = next(x for x in readme.splitlines() if x.startswith("deepspeed "))
+    page = (Path(__file__).resolve().parent.parent / "docs" / "multi-gpu.md").read_text()
+    line = next(x for x in page.splitlines() if x.startswith("deepspeed "))
     parsed = parse_args(shlex.split(line)[1:])
     assert parsed.module and parsed.user_script == "fitone" and parsed.user_args[0] == "train"
 

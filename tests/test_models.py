@@ -20,6 +20,7 @@ from fitone.errors import ModelError
 from fitone.models import (CAUSAL, SEQ2SEQ, build_model, load_config, load_model, load_tokenizer, shipped_models,
                            task_of)
 from fitone.plan import plan
+from fitone.random_init import build_random_model
 
 NO_BOS = {"qwen2", "qwen3", "gpt_neox", "qwen2_moe", "olmoe", "falcon"}  # Qwen / GPT-NeoX style tokenizers
 PLAN = dict(gpu_mem="24GiB", host_mem="64GiB")
@@ -249,3 +250,34 @@ def test_gemma3_multimodal_text_part_trains_and_exports_a_text_model(gemma3_mult
     final = AutoModelForCausalLM.from_pretrained(out / "final")
     assert type(final).__name__ == "Gemma3ForCausalLM"
     assert sum(x.numel() for x in final.parameters()) == plan(model=str(gemma3_multimodal), **PLAN).n_params
+
+
+@pytest.mark.parametrize("arch", ["llama3-tied", "gemma2", "opt", "qwen2_moe", "t5-v1_1", "bart"])
+def test_a_random_model_is_made_on_its_device_in_its_dtype_seeded_with_its_ties(arch):
+    """The probe's model: every parameter real, in the dtype asked for, tied ones once, the same per seed."""
+    config = user_models.model_config(arch, vocab_size=320)
+    model = build_random_model(config, "cpu", torch.bfloat16, seed=3)
+    reference = build_model(config, meta=True)  # what the architecture ties and holds
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in reference.named_parameters()]
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert tied == (reference.get_output_embeddings().weight is reference.get_input_embeddings().weight)
+    assert all(t.device.type == "cpu" for t in [*model.parameters(), *model.buffers()])
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    std = float(getattr(config, "initializer_range", 0.02) or 0.02)
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if param.dim() >= 2:  # N(0, std): checked on the embedding below (20k values: within 10%)
+                continue
+            assert torch.all(param == (0.0 if name == "bias" else 1.0)), (arch, name)
+    embedding = model.get_input_embeddings().weight.float()
+    assert abs(embedding.std().item() - std) < 0.1 * std and abs(embedding.mean().item()) < 0.1 * std
+
+    same = build_random_model(config, "cpu", torch.float32, seed=3)
+    again = build_random_model(config, "cpu", torch.float32, seed=3)
+    other = build_random_model(config, "cpu", torch.float32, seed=4)
+    assert all(torch.equal(a, b) for a, b in zip(same.parameters(), again.parameters()))
+    assert not torch.equal(same.get_input_embeddings().weight, other.get_input_embeddings().weight)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    batch = {"input_ids": ids, "labels": ids}
+    with torch.no_grad():
+        assert torch.isfinite(same(**batch).loss)

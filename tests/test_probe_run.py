@@ -24,14 +24,18 @@ import yaml
 
 import fitone
 from conftest import cpu_config, run_main
-from fitone import probe_run
 from fitone.cli import main
 from fitone.data import worst_case_batch
 from fitone.engine import Engine
 from fitone.errors import ConfigError, MemoryBudgetError
 from fitone.models import build_model, load_config
-from fitone.probe import ProbeResult, TrialResult, search_batch_size
-from fitone.probe_run import ProbeSession, probe_batch, probe_key, read_cached, save_cached
+from fitone.probe import api as probe_api
+from fitone.probe.api import probe_batch
+from fitone.probe.cache import probe_key, read_cached, save_cached
+from fitone.probe.results import ProbeResult, TrialResult
+from fitone.probe.search import search_batch_size
+from fitone.probe.trial import ProbeSession
+from fitone.recipes import _recipe_values, save_to_recipe
 from fitone.runtime import start_runtime
 
 SRC_LEN = TGT_LEN = 8
@@ -143,19 +147,19 @@ def test_with_the_pipelined_update_the_probe_trials_run_the_engine_training_will
         built.append(type(made.overlap).__name__)
         return made
 
-    monkeypatch.setattr("fitone.probe_run.Engine", engine)
+    monkeypatch.setattr("fitone.probe.trial.Engine", engine)
     cfg = probe_config(pipelined_update=True) if how == "asked for" else probe_config()
     result = probe_batch(cfg, max_batch=CAP, verify_steps=2, say=quiet, on_model=Budget(limit=5, phase="backward"))
     assert sizes(result) == [1, 2, 4, 8, 6, 5, 4] and result.chosen == 4 and result.verified
     assert built and set(built) == {"PipelinedUpdate"} and result.meta["update"] == "pipelined"
-    assert probe_run.probe_key(cfg, load_config("t5-tiny", from_scratch=True), "cpu")["pipelined_update"]
-    recipe = yaml.safe_load(probe_run.save_to_recipe(result, tmp_path / "mine.yaml").read_text())
+    assert probe_key(cfg, load_config("t5-tiny", from_scratch=True), "cpu")["pipelined_update"]
+    recipe = yaml.safe_load(save_to_recipe(result, tmp_path / "mine.yaml").read_text())
     # the recipe trains what was probed: on this CPU device the default would be DeepSpeed's step
     assert recipe["pipelined_update"] is True and recipe["batch_size"] == 4
 
 
 def test_a_recipe_from_a_probe_names_the_step_only_where_the_default_would_take_another():
-    values = probe_run._recipe_values
+    values = _recipe_values
     base = {"model": "t5-3b", "offload": "cpu", "pipelined_update": True}  # the saved probe's own flag: ignored
     assert "pipelined_update" not in values({**base, "device": "cuda", "update": "pipelined"})
     assert values({**base, "device": "cuda", "update": "deepspeed"})["pipelined_update"] is False
@@ -331,7 +335,7 @@ def test_batch_size_auto_reuses_a_saved_probe_without_building_an_engine(monkeyp
     def no_probe(*_args, **_kwargs):
         raise AssertionError("the saved probe should have been used")
 
-    monkeypatch.setattr(probe_run, "ProbeSession", no_probe)
+    monkeypatch.setattr(probe_api, "ProbeSession", no_probe)
     result = fitone.train(cfg)
     assert (result.micro_batch, result.grad_accum) == (4, 3)  # 12 = 4 x 3: the largest divisor <= 5
     assert result.steps == 2
@@ -342,7 +346,7 @@ def test_batch_size_auto_reuses_a_saved_probe_without_building_an_engine(monkeyp
 
 def test_batch_size_auto_under_several_ranks_reuses_the_one_gpu_probe_or_says_to_run_one(monkeypatch, cache_root):
     """Fakes the launcher's two ranks (the runtime training hands over); the saved probe and its lookup are real."""
-    from fitone.probe_run import batch_size_for_training
+    from fitone.probe.api import batch_size_for_training
     from fitone.runtime import DistInfo, Runtime
     from fitone.zero2 import step_mode
 
@@ -361,7 +365,7 @@ def test_batch_size_auto_under_several_ranks_reuses_the_one_gpu_probe_or_says_to
 
 def test_batch_size_auto_probes_frees_the_probe_then_trains_the_found_size(monkeypatch, cache_root, capsys):
     budget = Budget(limit=3, phase="forward")
-    monkeypatch.setattr(probe_run, "probe_batch", functools.partial(probe_batch, on_model=budget, verify_steps=1,
+    monkeypatch.setattr(probe_api, "probe_batch", functools.partial(probe_batch, on_model=budget, verify_steps=1,
                                                                     max_batch=CAP))
     train_module = importlib.import_module("fitone.train")  # `fitone.train` is also the function
 
@@ -414,7 +418,7 @@ def test_batch_size_auto_loads_the_model_config_once_and_builds_the_runtime_once
                 monkeypatch.setattr(module, "build_runtime", counting_build)
             if getattr(module, "preflight", None) is real_preflight:
                 monkeypatch.setattr(module, "preflight", counting_preflight)
-    monkeypatch.setattr(probe_run, "probe_batch", functools.partial(probe_batch, verify_steps=1, max_batch=2))
+    monkeypatch.setattr(probe_api, "probe_batch", functools.partial(probe_batch, verify_steps=1, max_batch=2))
     result = fitone.train(probe_config(batch_size="auto", max_steps=1))
     assert result.micro_batch == 1 and result.steps == 1  # sizes 1, 2: floor(2 x 0.95) = 1
     assert len(loads) == 1 and len(builds) == 1, (loads, builds)
@@ -570,7 +574,7 @@ def _key_change(change: str, tmp_path, monkeypatch, t5_dir: Path) -> tuple[dict,
     elif change == "device":
         changed_device = "cuda"
     elif change == "gpu":
-        monkeypatch.setattr(probe_run.memory, "gpu_name", lambda: "NVIDIA H200")
+        monkeypatch.setattr("fitone.memory.gpu_name", lambda: "NVIDIA H200")
     elif change in ("torch", "transformers", "deepspeed", "fitone"):
         monkeypatch.setattr(importlib.import_module(change), "__version__", "0.0.0-other")
     else:
@@ -624,7 +628,7 @@ def test_save_to_a_new_recipe_writes_the_probed_settings(tmp_path):
     result.meta.update(model="t5-3b", from_scratch=True, data="synthetic", src_len=128, tgt_len=128,
                        precision="fp16", activation_checkpointing=True, offload="cpu", max_gpu_memory="23GiB",
                        device="cuda", gpu="NVIDIA H200", date="2026-11-29T12:00:00")
-    path = probe_run.save_to_recipe(result, tmp_path / "t5-3b.yaml")
+    path = save_to_recipe(result, tmp_path / "t5-3b.yaml")
     lines = path.read_text().splitlines()
     assert lines[0].startswith("# probe-batch: batch_size 19 = largest fit 20 less a 5% margin (verified); "
                                "t5-3b fp16, src/tgt 128/128")

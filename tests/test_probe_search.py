@@ -13,7 +13,8 @@ import re
 import pytest
 
 from fitone.errors import ConfigError, MemoryBudgetError
-from fitone.probe import ProbeResult, TrialResult, granularity_at, search_batch_size
+from fitone.probe.results import ProbeResult, TrialResult
+from fitone.probe.search import granularity_at, search_batch_size
 from fitone.units import GIB
 
 MIB = 1024**2

@@ -148,8 +148,8 @@ def test_recipes_list_shows_measured_numbers_from_the_header(tmp_path, monkeypat
 
 
 def test_a_batch_size_saved_by_the_probe_shows_in_the_list(tmp_path, monkeypatch, capsys):
-    from fitone.probe import ProbeResult
-    from fitone.probe_run import save_to_recipe
+    from fitone.probe.results import ProbeResult
+    from fitone.recipes import save_to_recipe
 
     shutil.copytree(recipe_dir() / "gpt2-xl", tmp_path / "gpt2-xl")
     monkeypatch.setattr("fitone.recipes.recipe_dir", lambda: tmp_path)

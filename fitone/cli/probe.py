@@ -44,13 +44,14 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, PROBE_FLAGS)  # first: a bad option costs no torch import
     import fitone
-    from fitone.probe_run import save_to_recipe
+    from fitone.recipes import save_to_recipe
+    from fitone.render import probe_table
 
     result = fitone.probe_batch(cfg, max_batch=args.max_batch, max_trials=args.max_trials, margin=args.margin,
                                 verify_steps=args.verify_steps, json_path=args.json_path, plot_path=args.plot_path,
                                 use_cache=args.use_cache)
     print()
-    print(result.table())
+    print(probe_table(result))
     if cfg.global_batch is not None:
         micro, accum = result.for_global_batch(cfg.global_batch)
         print(f"for --global-batch {cfg.global_batch}: --batch-size {micro} with {accum} accumulation steps")

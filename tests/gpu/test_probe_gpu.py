@@ -12,7 +12,7 @@ import pytest
 from gpu_lane import metrics, needs_cuda, record, run_fitone
 
 from fitone.units import parse_size
-from fitone.probe import ProbeResult
+from fitone.probe.results import ProbeResult
 
 pytestmark = [pytest.mark.gpu, needs_cuda]
 

@@ -1,0 +1,141 @@
+"""What `fitone probe-batch` measured: one TrialResult per size tried, and the ProbeResult of a search.
+
+Data only: render.py draws their tables and PNGs (`table()` and `plot()` hand over to it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fitone.errors import ConfigError
+from fitone.units import gib
+
+
+@dataclass
+class TrialResult:
+    """One try at a micro-batch size: `steps` full training steps, or the phase where memory ran out."""
+
+    batch_size: int
+    fits: bool
+    peak_gpu_bytes: int | None = None
+    step_s: float | None = None
+    samples_per_s: float | None = None
+    oom_phase: str | None = None  # "forward", "backward" or "step"
+    steps: int = 0
+    purpose: str = "search"  # "search" or "verify"; set by search_batch_size
+
+    def __post_init__(self) -> None:
+        if self.fits and self.samples_per_s is None and self.step_s:
+            self.samples_per_s = self.batch_size / self.step_s
+
+    def outcome(self) -> str:
+        """'64 fits: 9.3 GiB peak, 29.8 samples/s' or '256 out of memory in backward'."""
+        if not self.fits:
+            return f"{self.batch_size} out of memory" + (f" in {self.oom_phase}" if self.oom_phase else "")
+        peak = f"{gib(self.peak_gpu_bytes):.1f} GiB peak" if self.peak_gpu_bytes is not None else "peak not measured"
+        speed = f", {self.samples_per_s:.1f} samples/s" if self.samples_per_s is not None else ""
+        return f"{self.batch_size} fits: {peak}{speed}"
+
+
+@dataclass(repr=False)
+class ProbeResult:
+    """What `probe-batch` found. `chosen` is the size to train with; `meta` is filled by the caller."""
+
+    trials: list[TrialResult]
+    largest_fit: int
+    chosen: int
+    margin: float
+    granularity: int
+    verified: bool
+    best_throughput: int | None  # the fitting size <= chosen with the best samples/s
+    cap_bytes: int | None
+    wall_s: float
+    smallest_oom: int | None = None  # the smallest size above largest_fit that ran out of memory
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    # -- reading the result -------------------------------------------------------------------
+    def __repr__(self) -> str:
+        oom = f", smallest_oom={self.smallest_oom}" if self.smallest_oom is not None else ""
+        model = f"{self.meta['model']}: " if self.meta.get("model") else ""
+        return (
+            f"ProbeResult({model}chosen={self.chosen}, largest_fit={self.largest_fit}{oom}, "
+            f"best_throughput={self.best_throughput}, verified={self.verified}, "
+            f"{len(self.trials)} trials in {self.wall_s:.1f} s)"
+        )
+
+    def memory_line(self) -> tuple[float, float] | None:
+        """(fixed bytes, bytes per sample) through the two largest fitting sizes with a measured peak."""
+        return trials_memory_line(self.trials)
+
+    def table(self) -> str:
+        """Fixed-width table of the trials in the order tried, then the answer."""
+        from fitone.render import probe_table
+
+        return probe_table(self)
+
+    def for_global_batch(self, global_batch: int, world_size: int = 1) -> tuple[int, int]:
+        """(micro-batch, accumulation steps) for `global_batch` samples per optimizer step.
+
+        The micro-batch is the largest size <= chosen that divides global_batch / world_size exactly,
+        so every optimizer step sees exactly `global_batch` samples.
+        """
+        if global_batch < 1 or world_size < 1:
+            raise ConfigError(f"--global-batch ({global_batch}) and the GPU count ({world_size}) must be 1 or more")
+        if global_batch % world_size:
+            nearest = max(world_size, round(global_batch / world_size) * world_size)
+            raise ConfigError(
+                f"--global-batch {global_batch} does not split over {world_size} GPUs: use --global-batch {nearest}"
+            )
+        per_gpu = global_batch // world_size
+        micro = next(d for d in range(min(self.chosen, per_gpu), 0, -1) if per_gpu % d == 0)
+        return micro, per_gpu // micro
+
+    # -- saving ---------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ProbeResult":
+        values = dict(data)
+        values["trials"] = [TrialResult(**t) for t in values["trials"]]
+        return cls(**values)
+
+    def save_json(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        return path
+
+    @classmethod
+    def load_json(cls, path: str | Path) -> "ProbeResult":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    # -- plotting -------------------------------------------------------------------------------
+    def plot(self, path: str | Path) -> Path:
+        """PNG of peak GPU memory and samples/s against batch size, with OOMs, the cap and the choice."""
+        from fitone.render import plot_probe
+
+        return plot_probe(self, path)
+
+    def best_trial(self) -> TrialResult | None:
+        """The trial with the most samples/s at or below `chosen`; None when none was timed."""
+        # Sizes above `chosen` are inside the safety margin, so they are not offered; ties go to the smaller.
+        timed = [t for t in self.trials if t.fits and t.samples_per_s is not None and t.batch_size <= self.chosen]
+        return max(timed, key=lambda t: (t.samples_per_s, -t.batch_size), default=None)
+
+
+def trials_memory_line(trials: list[TrialResult]) -> tuple[float, float] | None:
+    """(fixed, per_sample) bytes through the two largest fitting sizes with a measured peak."""
+    peaks = {t.batch_size: t.peak_gpu_bytes for t in trials if t.fits and t.peak_gpu_bytes is not None}
+    if len(peaks) < 2:
+        return None
+    (b1, p1), (b2, p2) = sorted(peaks.items())[-2:]
+    per_sample = (p2 - p1) / (b2 - b1)
+    if per_sample <= 0:  # noise at tiny sizes: no usable slope
+        return None
+    return p2 - per_sample * b2, per_sample
+
