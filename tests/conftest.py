@@ -203,6 +203,7 @@ def deepspeed_ops_built() -> Path:
 # list, so the marker does not touch the test modules; `python -m pytest -q -m "not slow"` is the quick pass and
 # the README's command still runs them all.
 SLOW: dict[str, tuple[str, ...]] = {
+    "test_bench_pack.py": ("test_the_dry_run_trains_packed_and_unpacked_children_and_records_both",),
     "test_bench_smoke.py": ("test_every_tool_writes_a_record_with_the_promised_fields",  # the `smoke` fixture's
                             "test_step_times_are_medians_of_the_timed_steps",
                             "test_all_tools_train_the_same_model_on_the_same_data",
@@ -215,7 +216,8 @@ SLOW: dict[str, tuple[str, ...]] = {
     "test_checkpoint.py": ("test_sigkill_during_a_save_keeps_the_last_complete_checkpoint_and_resume_uses_it",),
     "test_cli.py": ("test_bad_input_through_a_real_process",
                     "test_import_fitone_is_light_and_the_api_loads_on_first_use"),
-    "test_distributed.py": ("*",),  # torchrun children; its fixture took 314 s (bench/results/2026-12-01-issue26-cpu)
+    "test_data_formats.py": ("test_a_200k_row_parquet_trains_without_being_read_into_memory",),
+    "test_distributed.py": ("*",),  # torchrun children, each test and the fixture over 60 s
     "test_extensions.py": ("test_fitone_train_after_an_interrupted_build_clears_the_lock_and_says_what_it_builds",),
     "test_faults.py": ("test_sigterm_checkpoints_says_how_to_resume_and_resume_continues",),
     "test_overlap.py": ("test_in_bf16_the_pipelined_update_follows_the_default_and_the_delayed_one_lags",
