@@ -1,4 +1,4 @@
-"""Atomic checkpoints in a run directory.
+"""Atomic checkpoints in a run directory (the exported model, RUN_DIR/final/, is fitone.hf_export's).
 
 A checkpoint is written into `checkpoints/.tmp-<tag>/`, flushed to disk, and only then renamed to
 `checkpoints/<tag>/`: a process killed mid-save leaves at worst a `.tmp-*` folder, never a half
@@ -17,14 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 
 from fitone.errors import RunDirError
-from fitone.zero2 import cpu_adam
+from fitone.zero2 import cpu_adam, wrapped_optimizer
 
 if TYPE_CHECKING:  # engine.py imports DeepSpeed; the checkpoint functions only call its methods
-    from transformers import PreTrainedModel
-
     from fitone.engine import Engine
 
 STATE_FILE = "fitone_state.json"  # written last inside a checkpoint: its presence marks it complete
@@ -224,121 +221,5 @@ def load(engine: Engine, ckpt: Path) -> dict[str, Any]:
                           "its settings; resume with the options it was written with, or start over in another --out"
                           ) from exc
     set_rng_state(client.get("rng", {}))
-    cpu_adam.replay_steps(getattr(engine.optimizer, "optimizer", None))
+    cpu_adam.replay_steps(wrapped_optimizer(engine.optimizer))
     return read_state(ckpt)
-
-
-
-# The export writes one shard at a time: each is copied to the host, written, and dropped before the next
-# (the whole model copied at once adds its 16-bit size to training's host peak: bench/results/2026-12-01-issue19/).
-EXPORT_SHARD_SIZE = "2GB"
-
-
-def export(model: PreTrainedModel, tokenizer: Any, run_dir: str | Path, *,
-           shard_size: int | str = EXPORT_SHARD_SIZE) -> Path:
-    """RUN_DIR/final/: a plain Hugging Face model dir (weights + tokenizer), loadable without DeepSpeed.
-
-    ZeRO-2 keeps full 16-bit weights on every rank, so the caller's rank saves them as they are (as HF
-    Trainer does with ZeRO-2). The files are those `save_pretrained(max_shard_size=shard_size)` writes,
-    streamed (`_write_weights`). Written to a temporary dir first, then renamed.
-    """
-    run_dir = Path(run_dir)
-    final, tmp = run_dir / "final", run_dir / ".tmp-final"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.config.use_cache = True
-    from fitone.runtime import no_hf_progress_bars
-
-    with no_hf_progress_bars():
-        if _streams(model):
-            tmp.mkdir(parents=True)
-            # what save_pretrained records in the config before saving it
-            model.config.dtype = str(model.dtype).split(".")[1]
-            model.config.architectures = [type(model).__name__]
-            model.config.save_pretrained(tmp)
-            if model.can_generate():
-                model.generation_config.save_pretrained(tmp)
-            _write_weights(model, tmp, shard_size)
-        else:  # the whole model on the host at once, but still nothing cloned on its device
-            model.save_pretrained(tmp, state_dict=host_state_dict(model), max_shard_size=shard_size)
-    tokenizer.save_pretrained(tmp)
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
-    return final
-
-
-def _streams(model: PreTrainedModel) -> bool:
-    """Whether `_write_weights` writes what save_pretrained would. It skips what transformers does for PEFT
-    adapters, quantized, remote-code, device-mapped or tensor-parallel models and for models whose weights
-    are renamed or reshaped on save (revert_weight_conversion): those go through save_pretrained instead."""
-    try:  # transformers' internals the streamed write follows (5.x); without them, its plain save_pretrained
-        from transformers.core_model_loading import revert_weight_conversion
-        from transformers.modeling_utils import remove_tied_weights_from_state_dict  # noqa: F401
-    except ImportError:
-        return False
-    if (getattr(model, "_hf_peft_config_loaded", False) or getattr(model, "hf_quantizer", None) is not None
-            or model.is_remote_code() or getattr(model, "hf_device_map", None) or getattr(model, "_tp_size", None)):
-        return False
-    probe = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in model.state_dict().items()}
-    try:
-        return revert_weight_conversion(model, probe) is probe  # its quick exit: no conversion for this model
-    except Exception:  # a conversion that cannot run on meta tensors is a conversion all the same
-        return False
-
-
-def _write_weights(model: PreTrainedModel, out: Path, shard_size: int | str) -> None:
-    """The model's safetensors files (and index when sharded) as save_pretrained writes them, holding at most
-    one shard on the host and cloning nothing on the weights' device."""
-    from huggingface_hub import split_torch_state_dict_into_shards
-    from transformers.modeling_utils import remove_tied_weights_from_state_dict
-    from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
-
-    state = model.state_dict()
-    for name in model._keys_to_ignore_on_save or ():
-        state.pop(name, None)
-    # transformers decides which tied names to keep by storage; it sees one-element host stand-ins (the same
-    # one for names that are one tensor, as host_state_dict groups them), so it resolves ties on those and
-    # clones nothing real (it clones tensors that share a buffer without overlapping: all of ZeRO-2's)
-    stand_ins: dict[tuple[Any, ...], torch.Tensor] = {}
-    proxies = {}
-    for name, t in state.items():
-        proxies[name] = stand_ins.setdefault(_tensor_key(name, t), torch.empty(1))
-    kept = remove_tied_weights_from_state_dict(proxies, model).keys()
-    # sizes without storages: meta tensors shaped like the kept weights
-    meta = {name: torch.empty(state[name].shape, dtype=state[name].dtype, device="meta") for name in kept}
-    split = split_torch_state_dict_into_shards(meta, filename_pattern=SAFE_WEIGHTS_NAME.replace(
-        ".safetensors", "{suffix}.safetensors"), max_shard_size=shard_size)
-    for filename, names in split.filename_to_tensors.items():
-        _write_shard(state, names, out / filename)
-    if split.is_sharded:
-        index = {"metadata": {"total_parameters": model.num_parameters(), **split.metadata},
-                 "weight_map": split.tensor_to_filename}
-        (out / SAFE_WEIGHTS_INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-
-
-def _write_shard(state: dict[str, torch.Tensor], names: list[str], path: Path) -> None:
-    """One shard copied to the host and written; its host copies die when this returns."""
-    shard = {name: state[name].detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
-             for name in names}
-    save_file(shard, str(path), metadata={"format": "pt"})
-
-
-def host_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The weights copied to the host, one copy per distinct tensor (tied weights stay tied).
-
-    DeepSpeed keeps every weight inside flat buffers; save_pretrained clones tensors that share a buffer on
-    their own device, a second copy of the weights that a full GPU cannot hold (llama-7b under a 23 GiB
-    cap ran out of memory there: bench/results/2026-12-01-issue19/).
-    """
-    copies: dict[tuple[Any, ...], torch.Tensor] = {}
-    out = {}
-    for name, tensor in model.state_dict().items():
-        key = _tensor_key(name, tensor)
-        if key not in copies:
-            copies[key] = tensor.detach().to("cpu", copy=True)
-        out[name] = copies[key]
-    return out
-
-
-def _tensor_key(name: str, tensor: torch.Tensor) -> tuple[Any, ...]:
-    """Equal for the names of one tensor (tied weights); an empty tensor is its own (its data_ptr is 0)."""
-    return (tensor.device, tensor.data_ptr(), tensor.dtype, tuple(tensor.shape)) if tensor.numel() else (name,)

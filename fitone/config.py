@@ -2,6 +2,10 @@
 
 `TrainConfig` owns every default. The CLI builds one from flags, a recipe from YAML; both go through
 `TrainConfig.from_dict`, so an unknown key is always an error naming the nearest valid one.
+
+Flags and YAML keys stay flat; a module that reads a few of them takes a section instead of the whole
+settings: `cfg.data_settings()` (DataSettings), `schedule_settings()`, `memory_settings()`,
+`run_dir_settings()` and `guard_settings()`, frozen copies of the fields of that name.
 """
 
 from __future__ import annotations
@@ -125,6 +129,22 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    # -- sections: what one module reads -----------------------------------------------------
+    def data_settings(self) -> "DataSettings":
+        return DataSettings.of(self)
+
+    def schedule_settings(self) -> "ScheduleSettings":
+        return ScheduleSettings.of(self)
+
+    def memory_settings(self) -> "MemorySettings":
+        return MemorySettings.of(self)
+
+    def run_dir_settings(self) -> "RunDirSettings":
+        return RunDirSettings.of(self)
+
+    def guard_settings(self) -> "GuardSettings":
+        return GuardSettings.of(self)
+
     # -- derived values -----------------------------------------------------------------------
     @property
     def max_gpu_memory_bytes(self) -> int | None:
@@ -145,6 +165,43 @@ class TrainConfig:
 
     # -- validation ---------------------------------------------------------------------------
     def validate(self) -> None:
+        """The value checks: pure and cheap, so every construction and `replace` runs them. What reads the
+        file system is check_paths(), run once where a run starts."""
+        self._check_counts()
+        self._check_held_out()
+        if self.batch_size != "auto":
+            if isinstance(self.batch_size, str) and self.batch_size.isdigit():
+                self.batch_size = int(self.batch_size)
+            _positive_int("batch_size", self.batch_size, hint="or 'auto' to probe for it")
+        if self.grad_accum is not None and self.global_batch is not None:
+            raise ConfigError("give --grad-accum or --global-batch, not both (one is derived from the other)")
+        for name, choices in (("precision", PRECISIONS), ("lr_schedule", LR_SCHEDULES), ("offload", OFFLOADS)):
+            _one_of(name, getattr(self, name), choices)
+        self._check_update_modes()
+        _one_of("device", self.device, DEVICES)
+        self._check_schedule()
+        if self.resume and self.overwrite:
+            raise ConfigError("give --resume or --overwrite, not both")
+        if not 0 < self.host_mem_warn <= self.host_mem_stop <= 1:
+            raise ConfigError("host-memory thresholds need 0 < --host-mem-warn <= --host-mem-stop <= 1, "
+                              "e.g. 0.9 and 0.95")
+        parse_size(self.max_gpu_memory, "--max-gpu-memory")
+        self._check_report_to()
+
+    def check_paths(self) -> None:
+        """The checks that read the file system (the files the options name, an optional package installed):
+        run once where a run starts (train, probe_batch, plan), never on a `replace`."""
+        if self.chat_template is not None and not Path(self.chat_template).is_file():
+            raise ConfigError(f"--chat-template {self.chat_template}: no such file; give a Jinja chat template file")
+        if "wandb" in self.report_sinks:
+            import importlib.util
+
+            if importlib.util.find_spec("wandb") is None:
+                raise ConfigError("--report-to wandb needs the wandb package: pip install wandb")
+        if self.ds_config is not None and not Path(self.ds_config).is_file():
+            raise ConfigError(f"--ds-config {self.ds_config}: no such file; give the path of a DeepSpeed JSON file")
+
+    def _check_counts(self) -> None:
         for name in ("src_len", "tgt_len", "seq_len", "keep_checkpoints", "log_every", "max_bad_steps"):
             _positive_int(name, getattr(self, name))
         for name in ("grad_accum", "global_batch", "max_steps", "save_every", "eval_every"):
@@ -152,6 +209,8 @@ class TrainConfig:
                 _positive_int(name, getattr(self, name))
         if self.eval_examples < 0:
             raise ConfigError("--eval-examples must be 0 or more")
+
+    def _check_held_out(self) -> None:
         if self.prompt_field is not None and self.prompt_field == self.text_field:
             raise ConfigError(f"--prompt-field and --text-field are both {self.text_field!r}: the prompt is fed "
                               "before the text, so name two different fields")
@@ -160,18 +219,8 @@ class TrainConfig:
                               "above 0, or drop --eval-data")
         if self.eval_every is not None and self.eval_examples == 0:
             raise ConfigError("--eval-every scores --eval-examples held-out examples: give --eval-examples above 0")
-        if self.batch_size != "auto":
-            if isinstance(self.batch_size, str) and self.batch_size.isdigit():
-                self.batch_size = int(self.batch_size)
-            _positive_int("batch_size", self.batch_size, hint="or 'auto' to probe for it")
-        if self.grad_accum is not None and self.global_batch is not None:
-            raise ConfigError("give --grad-accum or --global-batch, not both (one is derived from the other)")
-        if self.precision not in PRECISIONS:
-            raise ConfigError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-        if self.lr_schedule not in LR_SCHEDULES:
-            raise ConfigError(f"--lr-schedule must be one of {', '.join(LR_SCHEDULES)}, got {self.lr_schedule!r}")
-        if self.offload not in OFFLOADS:
-            raise ConfigError(f"--offload must be one of {', '.join(OFFLOADS)}, got {self.offload!r}")
+
+    def _check_update_modes(self) -> None:
         if self.pipelined_update == "auto":  # a recipe or key=value may spell the default out
             self.pipelined_update = None
         if self.pipelined_update not in (None, True, False):
@@ -183,25 +232,14 @@ class TrainConfig:
                 raise ConfigError(f"{flag} overlaps the CPU optimizer with the GPU: it needs --offload cpu")
         if self.delayed_update_after < 0:
             raise ConfigError(f"--delayed-update-after must be 0 or more, got {self.delayed_update_after}")
-        if self.device not in DEVICES:
-            raise ConfigError(f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+
+    def _check_schedule(self) -> None:
         if not (self.lr > 0):
             raise ConfigError(f"--lr must be positive, got {self.lr}")
         if not (self.epochs > 0):
             raise ConfigError(f"--epochs must be positive, got {self.epochs}")
         if self.warmup_steps < 0 or self.weight_decay < 0 or self.grad_clip < 0:
             raise ConfigError("--warmup-steps, --weight-decay and --grad-clip cannot be negative")
-        if self.resume and self.overwrite:
-            raise ConfigError("give --resume or --overwrite, not both")
-        if not 0 < self.host_mem_warn <= self.host_mem_stop <= 1:
-            raise ConfigError("host-memory thresholds need 0 < --host-mem-warn <= --host-mem-stop <= 1, "
-                              "e.g. 0.9 and 0.95")
-        parse_size(self.max_gpu_memory, "--max-gpu-memory")
-        if self.chat_template is not None and not Path(self.chat_template).is_file():
-            raise ConfigError(f"--chat-template {self.chat_template}: no such file; give a Jinja chat template file")
-        self._check_report_to()
-        if self.ds_config is not None and not Path(self.ds_config).is_file():
-            raise ConfigError(f"--ds-config {self.ds_config}: no such file; give the path of a DeepSpeed JSON file")
 
     def _check_report_to(self) -> None:
         names = self.report_sinks
@@ -210,11 +248,6 @@ class TrainConfig:
                 raise ConfigError(f"--report-to takes {', '.join(REPORT_TO)} (comma-separated), got {name!r}")
         if names and self.out is None:
             raise ConfigError(f"--report-to {self.report_to} writes into the run directory: add --out DIR")
-        if "wandb" in names:
-            import importlib.util
-
-            if importlib.util.find_spec("wandb") is None:
-                raise ConfigError("--report-to wandb needs the wandb package: pip install wandb")
 
     @property
     def report_sinks(self) -> list[str]:
@@ -222,6 +255,105 @@ class TrainConfig:
         value = self.report_to
         items = value if isinstance(value, (list, tuple)) else str(value or "").split(",")
         return [s.strip() for s in items if s.strip() and s.strip() != "none"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Section:
+    """A frozen copy of some TrainConfig fields, same names and types (tests/test_config.py checks them):
+    TrainConfig keeps the defaults and the checks, a section only carries the values."""
+
+    @classmethod
+    def of(cls, cfg: TrainConfig) -> Any:
+        return cls(**{f.name: getattr(cfg, f.name) for f in fields(cls)})
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataSettings(_Section):
+    """What fitone.data reads: the sources, their fields, the lengths, and how datasets caches and reports."""
+
+    model: str | None  # named in the refusals of causal-only options on a seq2seq model
+    data: str
+    source_field: str
+    target_field: str
+    text_field: str
+    prompt_field: str | None
+    src_len: int
+    tgt_len: int
+    seq_len: int
+    data_split: str
+    data_config: str | None
+    chat_template: str | None
+    pack: bool
+    cache: bool
+    eval_data: str | None
+    eval_split: str | None
+    seed: int  # synthetic tokens and the worst-case batch
+    verbose: bool
+    progress: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleSettings(_Section):
+    """Batches, the learning-rate schedule and how long a run trains."""
+
+    batch_size: int | str
+    grad_accum: int | None
+    global_batch: int | None
+    lr: float
+    warmup_steps: int
+    lr_schedule: str
+    weight_decay: float
+    grad_clip: float
+    max_steps: int | None
+    epochs: float
+    seed: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemorySettings(_Section):
+    """Where the weights, gradients and optimizer states live, at what precision, on which device."""
+
+    precision: str
+    activation_checkpointing: bool
+    fused_loss: bool
+    offload: str
+    delayed_update: bool
+    delayed_update_after: int
+    pipelined_update: bool | None
+    ds_config: str | None
+    max_gpu_memory: str | None
+    expandable_segments: bool
+    device: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunDirSettings(_Section):
+    """The run directory: checkpoints, resuming, logs and where else they go."""
+
+    out: str | None
+    save_every: int | None
+    keep_checkpoints: int
+    resume: bool
+    overwrite: bool
+    log_every: int
+    report_to: str | None
+    verbose: bool
+    progress: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class GuardSettings(_Section):
+    """The numerical and memory guards that stop a run early."""
+
+    preflight: bool
+    max_bad_steps: int
+    host_mem_warn: float
+    host_mem_stop: float
+
+
+def _one_of(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"--{name.replace('_', '-')} must be one of {', '.join(choices)}, got {value!r}")
 
 
 def _positive_int(name: str, value: Any, hint: str = "") -> None:

@@ -132,9 +132,9 @@ def read_user_config(path: str) -> dict[str, Any]:
     check_keys(values, KNOWN_TOP_LEVEL, f"--ds-config {path}")
     zero = values.get("zero_optimization")
     if isinstance(zero, dict):
-        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+        from fitone.zero2 import zero_config_keys
 
-        check_keys(zero, list(DeepSpeedZeroConfig.model_fields), f"zero_optimization of --ds-config {path}")
+        check_keys(zero, zero_config_keys(), f"zero_optimization of --ds-config {path}")
         if zero.get("stage", 2) != 2:
             raise ConfigError(f"--ds-config {path} sets ZeRO stage {zero['stage']}; fitone runs stage 2: "
                               "remove 'stage'")

@@ -6,6 +6,7 @@ optimizer step it takes is decided by fitone.zero2.step_mode and handed in as ke
 
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any
 
@@ -13,6 +14,9 @@ import torch
 
 from fitone import extensions, memory
 from fitone.runtime import ds_chatter
+
+
+_UNTIMED = contextlib.nullcontext()
 
 
 class Engine:
@@ -25,8 +29,9 @@ class Engine:
         Default: DeepSpeed's step. A run's StepMode.engine_options() gives both."""
         import deepspeed
 
-        from fitone.zero2 import grad_norm, layout, overflow, overlap
+        from fitone.zero2 import delayed, grad_norm, layout, overflow, overlap, timing
 
+        timing.engine_starting()  # a benchmark's callback, inside zero2.timing.timed_engines() only
         start = time.perf_counter()
         self.host: layout.LeanHost | None = None
         if pipelined:
@@ -39,14 +44,17 @@ class Engine:
                 model=model, model_parameters=layout.param_groups(model), config=ds_config)
         self.overflow_deferred = overflow.defer_overflow_check(self.optimizer)  # same decision, one sync a step
         grad_norm.one_sum_grad_norm(self.optimizer)  # the clip norm of one group, however many groups
-        self.overlap: overlap.DelayedUpdate | overlap.PipelinedUpdate | None = None
+        self.overlap: delayed.DelayedUpdate | overlap.PipelinedUpdate | None = None
         if delayed_after is not None:
-            self.overlap = overlap.DelayedUpdate(self.optimizer, after=delayed_after)
+            self.overlap = delayed.DelayedUpdate(self.optimizer, after=delayed_after)
         elif pipelined:
             self.host = layout.LeanHost(self.optimizer)
             self.overlap = overlap.PipelinedUpdate(self.optimizer, self.ds.module, after=1, host=self.host)
         memory.trim_heap()  # the model's host copy, moved to the GPU, would otherwise stay in the RSS
+        # per-phase times for a benchmark inside zero2.timing.timed_engines(); None (no syncs added) otherwise
+        self.timer = timing.timer_for(self.optimizer, on_gpu=self.ds.device.type == "cuda")
         self.init_s = time.perf_counter() - start
+        timing.engine_built(self)
 
     def sync_weights(self) -> None:
         """Apply a pending overlapped update to the weights (no-op without one): before anything reads them."""
@@ -61,18 +69,34 @@ class Engine:
     def module(self) -> torch.nn.Module:
         return self.ds.module
 
+    def train_mode(self, training: bool = True) -> None:
+        """Dropout on (training) or off (evaluation), through DeepSpeed's engine as it expects."""
+        self.ds.train(training)
+
+    def _phase(self, name: str) -> contextlib.AbstractContextManager:
+        return _UNTIMED if self.timer is None else self.timer.phase(name)
+
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-        return self.ds(**batch).loss
+        with self._phase("forward_s"):
+            return self.ds(**batch).loss
 
     def backward(self, loss: torch.Tensor) -> None:
         if self.overlap is not None:
             self.overlap.before_backward()
-        self.ds.backward(loss)
+        with self._phase("backward_s"):
+            self.ds.backward(loss)
 
     def step(self) -> None:
         """Optimizer step at accumulation boundaries (DeepSpeed counts micro-steps itself)."""
-        self.ds.step()
+        if self.timer is None:
+            self.ds.step()
+            return
+        boundary = self.ds.is_gradient_accumulation_boundary()  # before ds.step() counts this micro-step
+        with self.timer.phase("optimizer_s"):
+            self.ds.step()
+        if boundary:
+            self.timer.step_done(self.last_step_applied, self.overlap.last_timing if self.overlap else None)
 
     @property
     def skipped_steps(self) -> int:
@@ -121,6 +145,8 @@ class Engine:
     def close(self) -> None:
         """Free the engine's GPU and pinned host memory so a notebook can run another."""
         try:
+            if self.timer is not None:  # its wrappers off the optimizer, and its reference to it dropped
+                self.timer.close()
             if self.overlap is not None:
                 self.overlap.close()
             self.ds.destroy()

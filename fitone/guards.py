@@ -84,11 +84,6 @@ def numerics_advice(precision: str, model_type: str) -> str:
     return "lower --lr or add --warmup-steps, and check the data for broken examples"
 
 
-def is_loss_scale_collapse(exc: BaseException) -> bool:
-    """DeepSpeed's fp16 scaler raises a bare Exception once the scale is at its minimum and still overflows."""
-    return "loss scale already at minimum" in str(exc)
-
-
 class HostMemoryWatch:
     """Warn once when host RAM use passes `warn`; report a stop past `stop`, before the kernel's OOM killer.
 

@@ -1,5 +1,8 @@
 """Every table and PNG fitone draws: plans, probe results, run reports. The numbers come from elsewhere.
 
+The results are data and know nothing of drawing; this module takes them and imports none of them at run time
+(their types only for the type checker), so it sits below every module whose results it draws.
+
 Figures are drawn on `matplotlib.figure.Figure` with the Agg canvas, never through pyplot, so a
 notebook's own backend and open figures are left alone. matplotlib is imported only when drawing.
 """
@@ -17,7 +20,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-    from fitone.plan import Component, Plan
+    from fitone.plan import Plan
     from fitone.probe.results import ProbeResult
 
 DPI = 110
@@ -61,39 +64,6 @@ def percent(fraction: float) -> str:
 
 
 # -- plans -----------------------------------------------------------------------------------------
-def plan_dict(p: Plan) -> dict[str, Any]:
-    """The plan as JSON-ready values: bytes, and GiB rounded to 3 decimals (`fitone plan --json`)."""
-
-    def comps(items: list[Component]) -> list[dict[str, Any]]:
-        return [{"name": c.name, "category": c.category, "bytes": c.bytes, "gib": gib(c.bytes, 3), "note": c.note}
-                for c in items]
-
-    return {
-        "model": p.model, "family": p.family, "n_params": p.n_params, "precision": p.precision,
-        "offload": "cpu" if p.offload else "none", "gpus": p.gpus, "micro_batch": p.micro_batch,
-        "lengths": p.lengths, "activation_checkpointing": p.activation_checkpointing,
-        "gpu_gib": gib(p.gpu_total, 3), "gpu_allocated_gib": gib(p.gpu_allocated, 3), "host_gib": gib(p.host_total, 3),
-        "host_export_gib": gib(p.host_export, 3), "checkpoint_gib": gib(p.checkpoint_bytes, 3),
-        "gpu_init_gib": gib(p.gpu_init_total, 3), "gpu_peak_gib": gib(p.gpu_peak, 3),
-        "gpu_peak_phase": p.gpu_peak_phase,
-        "gpu_limit_gib": None if p.gpu_limit is None else gib(p.gpu_limit, 3),
-        "gpu_limit_source": p.gpu_limit_source, "host_available_gib": gib(p.host_available, 3),
-        "components": {"gpu": comps(p.gpu), "gpu_init": comps(p.gpu_init), "host": comps(p.host)},
-        "categories_gib": {w: {k: gib(v, 3) for k, v in p.by_category(w).items()} for w in ("gpu", "host")},
-        "activation_per_sample_gib": gib(p.activation_per_sample, 3),
-        "activation_per_sample_ckpt_gib": gib(p.activation_per_sample_ckpt, 3),
-        "activation_per_sample_no_ckpt_gib": gib(p.activation_per_sample_no_ckpt, 3),
-        "max_micro_batch": p.max_micro_batch,
-        "max_micro_batch_without_offload": p.max_micro_batch_without_offload,
-        "gpu_gib_without_offload": gib(p.gpu_total_without_offload, 3),
-        "host_gib_without_offload": gib(p.host_total_without_offload, 3),
-        "verdict": p.verdict, "short_gib": {k: gib(v, 3) for k, v in p.short.items()},
-        "suggestions": p.suggestions, "notes": p.notes,
-        "deepspeed_estimate_gib": None if p.deepspeed_estimate is None
-        else {k: gib(v, 3) for k, v in p.deepspeed_estimate.items()},
-    }
-
-
 def plan_text(p: Plan) -> str:
     """The table `fitone plan` prints: each component in GiB, the totals against the limits, the advice."""
     mode = "ZeRO-2 + CPU offload" if p.offload else "ZeRO-2, no offload"
@@ -145,9 +115,8 @@ def plan_text(p: Plan) -> str:
 
 def plot_plan(p: Plan, path: str | Path) -> Path:
     """Stacked bars of where memory goes on the GPU and the host, with the limit drawn in."""
-    from fitone.plan import CATEGORIES
-
-    colors = dict(zip(CATEGORIES, ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860")))
+    colors = dict(zip(p.by_category("gpu"),  # the plan's categories, in its order
+                      ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860")))
     fig, axes = figure(width=9, height=5.5, cols=2)
     panels = (("GPU (per rank)", "gpu", p.gpu_total, p.gpu_limit, "limit"),
               ("host" + (f" ({p.gpus} ranks)" if p.gpus > 1 else ""), "host", p.host_total,

@@ -21,6 +21,7 @@ import torch
 from transformers import PretrainedConfig
 
 from fitone import checkpoint, memory
+from fitone import hf_export
 from fitone.config import TrainConfig
 from fitone.data import (ChatFields, Dataset, Rows, batches, data_file, load_dataset, loss_tokens, open_data,
                          require_one_batch, resume_position, steps_per_epoch)
@@ -29,7 +30,7 @@ from fitone.engine import Engine
 from fitone.errors import ConfigError, MemoryBudgetError, TrainingAborted
 from fitone.evaluate import HeldOut, score
 from fitone import loss as fused_loss
-from fitone.guards import BadStepStreak, HostMemoryWatch, StopRequest, is_loss_scale_collapse, numerics_advice
+from fitone.guards import BadStepStreak, HostMemoryWatch, StopRequest, numerics_advice
 from fitone.metrics import MetricsLog
 from fitone.models import (CAUSAL, SEQ2SEQ, LoadedModel, check_seq_len, enable_activation_checkpointing, load_config,
                            load_model, load_tokenizer, require_model, task_of)
@@ -39,6 +40,7 @@ from fitone.rundir import check_checkpoint_room, check_run_dir, setup_run_dir
 from fitone.runtime import Runtime, build_runtime
 from fitone.units import gib
 from fitone.zero2 import step_mode
+from fitone.zero2.errors import is_loss_scale_collapse
 
 
 @dataclass
@@ -134,6 +136,7 @@ class Trainer:
     # -- setup ----------------------------------------------------------------------------------
     def setup(self) -> None:
         cfg = self.cfg
+        cfg.check_paths()  # the files the options name, once per run
         require_model(cfg.model)
         # everything a user can get wrong is checked first: a mistake costs no weight loading or engine
         # init, and nothing is written until the run directory is set up at the very end
@@ -178,19 +181,19 @@ class Trainer:
             cfg.accumulation(int(cfg.batch_size), world_size)
         # opened (converted to Arrow once, memory-mapped) and checked now, tokenised after the model; this also
         # refuses --prompt-field and --pack on a seq2seq model
-        rows = open_data(cfg, task)
+        rows = open_data(cfg.data_settings(), task)
         tokenizer = load_tokenizer(cfg.model, config, from_scratch=cfg.from_scratch)  # a missing one is refused here
         if rows is not None and isinstance(rows.fields, ChatFields):
             from fitone.data import chat_tokenizer
 
             chat_tokenizer(tokenizer, cfg.chat_template, rows.source)
-        held_out = data_file(cfg, task, split="eval")
+        held_out = data_file(cfg.data_settings(), task, split="eval")
         if cfg.eval_every and held_out is None:
             raise ConfigError(f"--eval-every needs held-out data and --data {cfg.data} has none: "
                               "add --eval-data FILE.jsonl")
         # a user's held-out file is read (and so checked) now too; config validation ensured eval_examples > 0
         return _Inputs(tokenizer=tokenizer, rows=rows,
-                       eval_rows=open_data(cfg, task, split="eval") if cfg.eval_data else None,
+                       eval_rows=open_data(cfg.data_settings(), task, split="eval") if cfg.eval_data else None,
                        eval_fields=held_out[1] if held_out else ())
 
     def _setup_model(self, config: PretrainedConfig, tokenizer: Any) -> LoadedModel:
@@ -210,7 +213,7 @@ class Trainer:
 
     def _setup_data(self, m: LoadedModel, rows: Rows | None) -> Dataset:
         cfg = self.cfg
-        data = load_dataset(cfg, m.task, m.tokenizer, m.config.vocab_size, rows=rows)
+        data = load_dataset(cfg.data_settings(), m.task, m.tokenizer, m.config.vocab_size, rows=rows)
         require_one_batch(data, self.micro_batch, self.runtime.world_size)
         if data.truncated:
             limits = (f"--seq-len {cfg.seq_len}" if m.task == CAUSAL
@@ -230,7 +233,8 @@ class Trainer:
         cfg = self.cfg
         if cfg.eval_examples == 0:
             return None
-        data = load_dataset(cfg, m.task, m.tokenizer, m.config.vocab_size, split="eval", rows=inputs.eval_rows)
+        data = load_dataset(cfg.data_settings(), m.task, m.tokenizer, m.config.vocab_size, split="eval",
+                            rows=inputs.eval_rows)
         if data is None or not self.runtime.is_main:
             return None
         return HeldOut(data=data, examples=cfg.eval_examples,
@@ -329,7 +333,7 @@ class Trainer:
         losses, times, lrs, evals = [], [], [], []
         bar = self._progress_bar()
         peak_rss = memory.host_rss_bytes()
-        engine.ds.train()
+        engine.train_mode()
         try:
             with StopRequest() as stop:
                 while self.state["step"] < self.total_steps:
@@ -504,10 +508,10 @@ class Trainer:
 
     # -- the end --------------------------------------------------------------------------------
     def _export(self) -> Path | None:
-        """DIR/final/ on rank 0 (checkpoint.export): a plain Hugging Face model dir."""
+        """DIR/final/ on rank 0 (hf_export.export): a plain Hugging Face model dir."""
         if self.out is None or not self.runtime.is_main:
             return None
-        return checkpoint.export(self.engine.module, self.loaded.tokenizer, self.out)
+        return hf_export.export(self.engine.module, self.loaded.tokenizer, self.out, say=self._say)
 
     def _score(self, evals: list[dict[str, float]]) -> dict[str, float]:
         """Held-out scores now (evaluate.score); kept with their step in `evals` (rank 0 only has any)."""

@@ -14,10 +14,10 @@ micro-batch and largest fit, the steady tokens/s (loss tokens, no padding, as me
 them; median over the steps after the first 2), samples/s (rows/s), the padding fraction of the
 batches the run trained on (recomputed here from the same data, order and micro-batch), peak GPU and
 host RSS over the logged steps, and the child's wall time. A child is stopped once its last step is
-logged: the benchmark is done then, and the export of final/ would only spend the device call's time.
+logged: the benchmark is done then, and the export of final/ would only spend time.
 OUT gets pack.json, pack.md, each child's log and metrics.jsonl (6 files).
 
-On the GPU machine (one H200; prepend the .whl prelude of ../shared/gpu/README.md, `.whl` carried):
+On a CUDA machine (one H200 was used for the results):
     python3 scripts/bench_pack.py --out $OUT
 Not yet run there. Each child tokenises (the second reuses the first's datasets cache), probes (for
 gpt2-xl at 1024 tokens see bench/results/2026-11-29-probe-checks/), builds its offloaded engine and trains
@@ -31,7 +31,6 @@ On a CPU (a dry run of this script, not the benchmark): FITONE_PACK_DRY_RUN=1 tr
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import re
@@ -46,9 +45,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
+from _harness import ROOT, checkout_env, env_flag, machine as _machine, num as _num  # the checkout on the path
 
 RUNS = ("unpacked", "packed")
 WARMUP_STEPS = 2  # the first steps include lazy allocations and the loss scale's first overflows
@@ -67,13 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=250,
         help="start no run after this many seconds; a run still going at the budget's end is stopped "
-        "(the padding count and the tables take ~10 s more: 250 fits a 270 s device call)",
+        "(the padding count and the tables take ~10 s more: 250 fits 270 s)",
     )
     return p
 
 
 def dry_run() -> bool:
-    return os.environ.get("FITONE_PACK_DRY_RUN", "") not in ("", "0")
+    return env_flag("FITONE_PACK_DRY_RUN")
 
 
 def setup() -> dict[str, Any]:
@@ -204,7 +201,7 @@ def padding(s: dict[str, Any], data: Path, pack: bool, micro_batch: int, micro_s
                       eval_examples=0)
     config = load_config(s["model"], from_scratch=True)
     tok = load_tokenizer(s["model"], config, from_scratch=True)
-    dataset = load_dataset(cfg, CAUSAL, tok, config.vocab_size)
+    dataset = load_dataset(cfg.data_settings(), CAUSAL, tok, config.vocab_size)
     stream = batches(dataset, micro_batch, seed=cfg.seed, pad_id=tok.pad_token_id)
     slots = pad = 0
     for _ in range(micro_steps):
@@ -246,11 +243,7 @@ def run_all(args: argparse.Namespace) -> int:
             record.update(status="skipped", error=f"the {args.budget_s:.0f} s budget was spent")
             records.append(record)
             continue
-        env = {
-            **os.environ,
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-            "FITONE_CACHE_DIR": str(work / f"probe-cache-{name}"),  # a fresh probe for each run
-        }
+        env = checkout_env(FITONE_CACHE_DIR=str(work / f"probe-cache-{name}"))  # a fresh probe for each run
         log_path = out / f"{name}.log"
         status, wall, code = run_child(command, env, run_dir, log_path, args.steps, time.monotonic() + left)
         metrics = read_metrics(run_dir / "metrics.jsonl")
@@ -279,28 +272,7 @@ def run_all(args: argparse.Namespace) -> int:
 
 
 def machine() -> dict[str, Any]:
-    from importlib.metadata import version
-
-    import torch
-
-    try:  # the device's copy of the tree may have no .git, or no git
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                check=False).stdout.strip() or None
-    except OSError:
-        commit = None
-    return {
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (CPU)",
-        "torch": torch.__version__,
-        "transformers": version("transformers"),
-        "deepspeed": version("deepspeed"),
-        "commit": commit,
-        "date": dt.datetime.now().isoformat(timespec="seconds"),
-        "dry_run": dry_run(),
-    }
-
-
-def _num(value: Any, fmt: str) -> str:
-    return format(value, fmt) if isinstance(value, (int, float)) else "-"
+    return _machine(dry_run())
 
 
 def line_for(r: dict[str, Any]) -> str:

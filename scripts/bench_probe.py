@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import re
 import shlex
 import subprocess
@@ -36,8 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-CAUSAL_MODELS = ("gpt2", "llama")  # shipped names whose task is causal LM (the rest are T5s)
+from _harness import ROOT, checkout_env, command, model_task
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=900, help="seconds per child")
     p.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the cpu_adam build first")
     p.add_argument("--phases", default="probe,train,next",
-                   help="what to run; split a run over two device calls with 'probe' then 'train,next' and the "
+                   help="what to run; split a run over two commands with 'probe' then 'train,next' and the "
                         "same --probe-json")
     p.add_argument("--probe-json", default=None, help="where the probe writes its JSON (read when not probing)")
     p.add_argument("--log-dir", default=None, help="keep each child's full output here")
@@ -87,7 +85,7 @@ def model_args(args: argparse.Namespace) -> list[str]:
 
 
 def is_causal(model: str) -> bool:
-    return model.startswith(CAUSAL_MODELS)
+    return model_task(model) == "causal"  # from its config file, as the tool comparison decides it
 
 
 def fitone_cmd(*arguments: str) -> list[str]:
@@ -107,8 +105,7 @@ def train_cmd(common: list[str], size: int, steps: int) -> list[str]:
 
 def run_child(cmd: list[str], timeout: float, log_dir: Path | None, name: str) -> tuple[int | None, str, float]:
     """(exit code or None on timeout, combined output, seconds)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env = checkout_env(PYTHONUNBUFFERED="1")
     print(f"$ {shlex.join(cmd)}", flush=True)
     start = time.perf_counter()
     try:
@@ -170,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         "cap": args.cap, "cap_gib": None, "activation_checkpointing": args.activation_checkpointing,
         "pipelined_update_default": args.pipelined_update,
         "found_batch_size": None, "wall_s": None, "verified_fits": None, "next_size_ooms": None, "trials": [],
-        "command": shlex.join(["python", "scripts/bench_probe.py", *(sys.argv[1:] if argv is None else argv)]),
+        "command": command("scripts/bench_probe.py", sys.argv[1:] if argv is None else argv),
         "date": dt.datetime.now().isoformat(timespec="seconds"),
     }
     errors: dict[str, str] = {}

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""Render benchmark results (scripts/bench_gpu.py's JSON) as the markdown tables of bench/README.md.
+"""Render benchmark results (scripts/bench_tools.py's JSON) as the markdown tables of bench/README.md.
 
     python scripts/bench_table.py bench/results/2026-11-29-nvidia-h200.json
     python scripts/bench_table.py $OUT1/*.json $OUT2/*.json --merge bench/results/2026-11-29-nvidia-h200.json
 
-Several files (one per device call) are read in order; `--merge FILE` also writes them as one list.
+Several files (one per command) are read in order; `--merge FILE` also writes them as one list.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ def load(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
     for path in paths:
         data = json.loads(Path(path).read_text())
         if not isinstance(data, list):
-            raise SystemExit(f"{path}: expected a JSON list of records (scripts/bench_gpu.py output)")
+            raise SystemExit(f"{path}: expected a JSON list of records (scripts/bench_tools.py output)")
         records += data
     return records
 
@@ -128,7 +128,7 @@ def split_table(recs: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("files", nargs="+", help="results JSON files from scripts/bench_gpu.py")
+    parser.add_argument("files", nargs="+", help="results JSON files from scripts/bench_tools.py")
     parser.add_argument("--merge", metavar="FILE", help="also write all records as one JSON list to FILE")
     args = parser.parse_args(argv)
     records = load(args.files)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 2's GPU proof: t5-3b from scratch, ZeRO-2 + CPU offload, 23 GiB cap (a 24 GB card), fp16 then bf16.
-# Run on the GPU machine from the repo root (after the .whl prelude); writes logs and metrics under $1.
+# Run on a CUDA machine from the repo root; writes logs and metrics under $1.
 # The runs take fitone's default step, on one GPU the pipelined update; bench/results/2026-11-29-core/ was
 # measured before that became the default: EXTRA=--no-pipelined-update reproduces it.
 set -uo pipefail

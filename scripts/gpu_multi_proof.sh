@@ -2,11 +2,11 @@
 # Issue 9's GPU proof: t5-3b from scratch, ZeRO-2 + CPU offload, 23 GiB cap per GPU, micro-batch 64 per GPU,
 # one GPU then two GPUs under torchrun on the same machine. Samplers record every GPU's memory (nvidia-smi)
 # and the machine's used host RAM (free) once a second, since only rank 0 writes metrics.
-# Run on an nvidia-h200-x2 machine from the repo root (after the .whl prelude); writes under $1.
+# Run on a machine with two GPUs from the repo root; writes under $1.
 set -uo pipefail
 out=${1:?usage: gpu_multi_proof.sh OUT_DIR}
 mkdir -p "$out"
-# NVLink multicast stays off (device KINDS.md): keep these set for every child.
+# NVLink multicast stays off (the machine this was measured on could not use it): set for every child.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 { nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv; nproc; free -g; } > "$out/machine.txt"
 # The machine's RAM grows on demand (MemTotal reads ~31 GiB at start), so psutil's available RAM is not a

@@ -21,11 +21,9 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import _harness  # noqa: F401 - the checkout's fitone first on the path
 
 TOLERANCE = 0.05  # relative, on WINDOW-step, last-50-step and held-out losses
 SETTLE = 30  # the first steps (warm-up, loss-scale search) are not held to the tolerance
@@ -49,7 +47,7 @@ def load(path: str) -> tuple[dict[int, float], int, dict[str, float]]:
 
 
 def run_name(path: str) -> str:
-    """'pipelined' for pipelined-metrics.jsonl (scripts/gpu_quality.sh's names), else the run directory."""
+    """'pipelined' for pipelined-metrics.jsonl (scripts/quality_gpu.sh's names), else the run directory."""
     p = Path(path)
     if p.is_file():
         return p.name.replace("-metrics.jsonl", "") if p.name != "metrics.jsonl" else p.parent.name

@@ -1,4 +1,4 @@
-"""scripts/bench_pack.py, the device call that compares `--pack` with padded batches, in its CPU dry run:
+"""scripts/bench_pack.py, the benchmark that compares `--pack` with padded batches, in its CPU dry run:
 real `fitone train` children train gpt2-tiny on long-tailed data; the GPU numbers only count on the GPU."""
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def test_the_dry_run_trains_packed_and_unpacked_children_and_records_both(tmp_pa
     assert packed["padding_fraction"] <= unpacked["padding_fraction"]
     assert packed["tokens_per_row"] == 64 and packed["rows"] < packed["examples"] == unpacked["examples"] == 400
     assert _real(result["packed_over_unpacked_tokens_per_s"])
-    # the device call returns at most 8 files: OUT holds 6
+    # OUT holds these 6 files and nothing else
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "pack.json", "pack.md", "packed-metrics.jsonl", "packed.log", "unpacked-metrics.jsonl", "unpacked.log"]
     assert len((tmp_path / "packed-metrics.jsonl").read_text().splitlines()) == 4
@@ -79,7 +79,7 @@ def test_the_packed_padding_count_is_each_rows_fill_after_its_last_example(tmp_p
     config = load_config("gpt2-tiny", from_scratch=True)
     tok = load_tokenizer("gpt2-tiny", config, from_scratch=True)
     examples = load_dataset(TrainConfig(model="gpt2-tiny", from_scratch=True, data=str(data), seq_len=64,
-                                        eval_examples=0), CAUSAL, tok, config.vocab_size)
+                                        eval_examples=0).data_settings(), CAUSAL, tok, config.vocab_size)
     rows = bench_pack.padding(setup, data, True, 1, 1)["rows"]
     counted = bench_pack.padding(setup, data, True, 1, rows)  # one epoch: every packed row once
     exact = 1 - sum(len(e.input_ids) for e in examples.examples) / (rows * 64)

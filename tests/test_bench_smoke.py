@@ -1,4 +1,4 @@
-"""The GPU benchmark harness (scripts/bench_gpu.py) on CPU: real child processes, a tiny model.
+"""The tool comparison (scripts/bench_tools.py) on CPU: real child processes, a tiny model.
 
 Its numbers only count on the GPU; here we prove the plumbing: every tool builds the same model on the
 same data, each run is its own process, records carry the promised fields with sane values, the
@@ -22,7 +22,8 @@ import pytest
 from conftest import child_env, run_child
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "scripts" / "bench_gpu.py"
+SCRIPT = ROOT / "scripts" / "bench_tools.py"
+sys.path.insert(0, str(ROOT / "scripts"))  # the scripts import their shared helpers (_harness, ...)
 
 
 def _load(name: str):
@@ -32,7 +33,8 @@ def _load(name: str):
     return module
 
 
-bench = _load("bench_gpu")
+bench = _load("bench_tools")
+measure = _load("_tools_measure")
 table = _load("bench_table")
 
 SMOKE = ["--device", "cpu", "--batch-sizes", "2", "--steps", "2", "--warmup", "1", "--split-steps", "1",
@@ -157,12 +159,12 @@ def test_a_child_that_times_out_leaves_an_error_record_and_the_file(tmp_path):
 
 
 def test_results_append_to_an_existing_file(tmp_path):
-    """A second device call naming the same file adds to it (run_jobs reads what is there first)."""
+    """A second run naming the same file adds to it (run_jobs reads what is there first)."""
     out = tmp_path / "r.json"
     out.write_text(json.dumps([{"tool": "earlier"}]))
     args = bench.parse_args(["--tools", "torch-plain-uncapped", *SMOKE, "--out", str(out)])
     job = bench.plan_jobs(args)[0]
-    ctx = {"gpu": "cpu", "date": "2026-01-01", "command": "python scripts/bench_gpu.py"}
+    ctx = {"gpu": "cpu", "date": "2026-01-01", "command": "python scripts/bench_tools.py"}
     # the job as a child with a budget already spent: it is not started, and says so
     new, interrupted = bench.run_jobs([job], ctx, out, None, budget=0)
     assert not interrupted and new[0]["error"] == "not run: --budget spent"
@@ -279,11 +281,11 @@ def test_param_groups_are_consecutive_and_about_equal():
     from fitone.models import build_model, load_config
 
     params = list(build_model(load_config("llama-7b", from_scratch=True), meta=True).parameters())
-    groups = bench.split_param_groups(params, 16)
+    groups = measure.split_param_groups(params, 16)
     assert len(groups) == 16 and [p for g in groups for p in g] == params  # every parameter once, in order
     sizes = [sum(p.numel() for p in g) for g in groups]
     assert max(sizes) <= 1.15 * min(sizes), sizes
-    assert [len(g) for g in bench.split_param_groups(params[:3], 16)] == [1, 1, 1]  # never an empty group
+    assert [len(g) for g in measure.split_param_groups(params[:3], 16)] == [1, 1, 1]  # never an empty group
 
 
 def test_the_new_options_are_planned_and_checked():

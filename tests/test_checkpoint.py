@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import fitone
-from fitone import checkpoint
+from fitone import checkpoint, hf_export
 from fitone.errors import RunDirError
 from fitone.metrics import MetricsLog, read_metrics
 
@@ -143,7 +143,7 @@ def test_export_copies_weights_to_the_host_instead_of_cloning_them_on_their_devi
         assert any(p.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
                    for p in engine.module.parameters())  # the premise: weights live in a shared buffer
         with Clones():
-            final = checkpoint.export(engine.module, ByT5Tokenizer(), tmp_path)
+            final = hf_export.export(engine.module, ByT5Tokenizer(), tmp_path)
         assert Clones.count == 0
         loaded = AutoModelForSeq2SeqLM.from_pretrained(final).state_dict()
         for name, tensor in engine.module.state_dict().items():
@@ -175,7 +175,7 @@ def test_a_sharded_export_has_a_valid_index_and_loads_equal_to_the_engine(tmp_pa
 
     engine = tiny_engine()
     try:
-        final = checkpoint.export(engine.module, ByT5Tokenizer(), tmp_path, shard_size=SMALL_SHARD)
+        final = hf_export.export(engine.module, ByT5Tokenizer(), tmp_path, shard_size=SMALL_SHARD)
         index = json.loads((final / "model.safetensors.index.json").read_text())
         shards = sorted(final.glob("model-*-of-*.safetensors"))
         assert len(shards) > 2 and not (final / "model.safetensors").exists()
@@ -226,17 +226,17 @@ def test_the_export_holds_at_most_one_shard_of_weights_on_the_host_at_a_time(tmp
                         made[storage.data_ptr()] = (weakref.ref(t), storage.nbytes())
             return out
 
-    real_save_file = checkpoint.save_file
+    real_save_file = hf_export.save_file
     written: list[tuple[int, int]] = []  # (bytes handed to save_file, host bytes alive then)
 
     def save_file(tensors, filename, metadata=None):
         written.append((sum(t.nbytes for t in tensors.values()), alive()))
         real_save_file(tensors, filename, metadata=metadata)
 
-    monkeypatch.setattr(checkpoint, "save_file", save_file)
+    monkeypatch.setattr(hf_export, "save_file", save_file)
     try:
         with HostCopies():
-            checkpoint.export(engine.module, ByT5Tokenizer(), tmp_path, shard_size=SMALL_SHARD)
+            hf_export.export(engine.module, ByT5Tokenizer(), tmp_path, shard_size=SMALL_SHARD)
         distinct = {t.data_ptr(): t.nbytes for t in engine.module.state_dict().values()}
     finally:
         engine.close()
@@ -253,7 +253,7 @@ def test_a_causal_lm_with_a_tied_lm_head_round_trips(tmp_path):
 
     engine = tiny_engine("bf16", model="gpt2-tiny")
     try:
-        final = checkpoint.export(engine.module, ByT5Tokenizer(), tmp_path, shard_size=SMALL_SHARD)
+        final = hf_export.export(engine.module, ByT5Tokenizer(), tmp_path, shard_size=SMALL_SHARD)
         loaded = _loads_equal_to(final, engine, AutoModelForCausalLM)
         assert loaded["lm_head.weight"].data_ptr() == loaded["transformer.wte.weight"].data_ptr()
         assert (final / "generation_config.json").is_file() and (final / "tokenizer_config.json").is_file()
@@ -276,8 +276,8 @@ def test_the_export_writes_what_save_pretrained_writes(tmp_path, model, precisio
     try:
         # save_pretrained records both in the config: the export must too, whatever the config held before
         engine.module.config.architectures, engine.module.config.dtype = None, None
-        final = checkpoint.export(engine.module, ByT5Tokenizer(), tmp_path / "ours", shard_size=SMALL_SHARD)
-        engine.module.save_pretrained(tmp_path / "theirs", state_dict=checkpoint.host_state_dict(engine.module),
+        final = hf_export.export(engine.module, ByT5Tokenizer(), tmp_path / "ours", shard_size=SMALL_SHARD)
+        engine.module.save_pretrained(tmp_path / "theirs", state_dict=hf_export.host_state_dict(engine.module),
                                       max_shard_size=SMALL_SHARD)
     finally:
         engine.close()
@@ -307,10 +307,41 @@ def test_a_model_whose_weights_are_renamed_on_save_is_exported_by_save_pretraine
 
     model = build_model(load_config("gpt2-tiny", from_scratch=True))
     model._weight_conversions = [WeightRenaming(r"^legacy\.", "transformer.")]  # as if loaded from legacy.* names
-    final = checkpoint.export(model, ByT5Tokenizer(), tmp_path)
+    final = hf_export.export(model, ByT5Tokenizer(), tmp_path)
     with safe_open(final / "model.safetensors", "pt") as f:
         names = set(f.keys())
     assert "legacy.wte.weight" in names and not any(n.startswith("transformer.") for n in names)
+
+
+def test_an_untested_transformers_gets_save_pretrained_and_one_warning_line(tmp_path, monkeypatch):
+    """The stream follows transformers' internals as read from the tested versions: under another version
+    (a monkeypatched version string stands in for installing one) final/ is written by save_pretrained,
+    which loads the same, and the run is told once how to get the streamed export back."""
+    import torch
+    from transformers import AutoModelForCausalLM, ByT5Tokenizer
+
+    from fitone.models import build_model, load_config
+
+    assert hf_export.untested_transformers() is None  # the installed one is tested
+    assert [hf_export.untested_transformers(v) is None for v in ("5.17.0", "5.24.1", "5.16.2", "5.25.0.dev0",
+                                                                  "6.0.0", "weird")] == [True, True] + [False] * 4
+    model = build_model(load_config("gpt2-tiny", from_scratch=True))
+    streamed: list[str] = []
+    real_write = hf_export._write_weights
+    monkeypatch.setattr(hf_export, "_write_weights", lambda *a: streamed.append("stream") or real_write(*a))
+    said: list[str] = []
+    hf_export.export(model, ByT5Tokenizer(), tmp_path / "tested", say=said.append)
+    assert streamed == ["stream"] and said == []
+
+    # the module that `import transformers` finds now (by here, no longer always the one imported above)
+    monkeypatch.setattr(sys.modules["transformers"], "__version__", "5.30.0")
+    final = hf_export.export(model, ByT5Tokenizer(), tmp_path / "untested", say=said.append)
+    assert len(said) == 1, said
+    assert streamed == ["stream"]  # save_pretrained wrote it
+    assert said[0].startswith("warning: ") and "transformers 5.30.0 is installed" in said[0]
+    assert "pip install 'transformers>=5.17,<5.25'" in said[0] and "\n" not in said[0]
+    loaded = AutoModelForCausalLM.from_pretrained(final).state_dict()
+    assert all(torch.equal(loaded[name], tensor) for name, tensor in model.state_dict().items())
 
 
 # -- what a save costs: disk and host RAM -----------------------------------------------------------

@@ -15,7 +15,7 @@ TOK = ByT5Tokenizer()
 
 
 def _cfg(**kw):
-    return TrainConfig(model="t5-tiny", **kw)
+    return TrainConfig(model="t5-tiny", **kw).data_settings()
 
 
 def read_rows(path, fields):

@@ -6,6 +6,7 @@ temporary folder, so no test reads another's cache.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -15,16 +16,9 @@ import torch
 from conftest import child_env, run_main
 from transformers import ByT5Tokenizer
 
-from fitone.config import TrainConfig
-from fitone.data import (
-    IGNORE_INDEX,
-    batches,
-    collate,
-    load_dataset,
-    open_data,
-    pack_examples,
-    worst_case_batch,
-)
+from fitone.config import DataSettings, TrainConfig
+from fitone.data import IGNORE_INDEX, batches, collate, load_dataset, open_data, worst_case_batch
+from fitone.data.tokens import pack_examples
 from fitone.errors import ConfigError, DataError
 from fitone.models import CAUSAL, SEQ2SEQ
 
@@ -41,8 +35,8 @@ def _own_datasets_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf-datasets")
 
 
-def _cfg(**kw) -> TrainConfig:
-    return TrainConfig(**{"model": "t5-tiny", "progress": False, **kw})
+def _cfg(**kw) -> DataSettings:
+    return TrainConfig(**{"model": "t5-tiny", "progress": False, **kw}).data_settings()
 
 
 def _rows(n: int = 40) -> list[dict[str, str]]:
@@ -236,7 +230,7 @@ def test_an_unknown_chat_role_is_one_line_naming_the_row(tmp_path, tiny_gpt_dir)
 def test_a_malformed_conversation_names_its_row(tmp_path):
     import datasets
 
-    from fitone.data import check_chat
+    from fitone.data.chat import check_chat
 
     no_content = [{"role": "user", "content": "Hi"}, {"role": "assistant"}]
     cases = [
@@ -297,7 +291,7 @@ def _lm(attn: str):
 def test_a_packed_batch_has_the_loss_of_its_examples_unpacked(attn):
     import datasets
 
-    from fitone.data import ArrowExamples, Example
+    from fitone.data.examples import ArrowExamples, Example
 
     g = torch.Generator().manual_seed(0)
     lengths = [5, 17, 9, 3, 30, 12, 7, 21]
@@ -325,7 +319,7 @@ def test_pack_fills_rows_with_whole_examples_and_keeps_every_label(tmp_path):
     path.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     cfg = _cfg(model="gpt2-tiny", data=str(path), seq_len=32)
     plain = load_dataset(cfg, CAUSAL, TOK, 384)
-    packed = load_dataset(cfg.replace(pack=True), CAUSAL, TOK, 384)
+    packed = load_dataset(dataclasses.replace(cfg, pack=True), CAUSAL, TOK, 384)
     assert packed.packed_from == 60 and len(packed) < len(plain)
     rows = list(packed.examples)
     assert all(len(r.input_ids) == len(r.position_ids) == 32 for r in rows)
@@ -349,7 +343,7 @@ def test_packed_position_ids_restart_at_each_example_and_no_label_crosses_one(tm
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = _cfg(model="gpt2-tiny", data=str(path), prompt_field="q", text_field="a", seq_len=48)
     plain = [(e.input_ids, e.labels) for e in load_dataset(cfg, CAUSAL, tok, len(tok)).examples]
-    packed = load_dataset(cfg.replace(pack=True), CAUSAL, tok, len(tok))
+    packed = load_dataset(dataclasses.replace(cfg, pack=True), CAUSAL, tok, len(tok))
     batch = collate(list(packed.examples), CAUSAL, pad_id=tok.pad_token_id)
     seen = []
     for ids, labels, pos in zip(batch["input_ids"].tolist(), batch["labels"].tolist(),
@@ -436,11 +430,12 @@ def test_a_200k_row_parquet_trains_without_being_read_into_memory(tmp_path):
     assert big_bytes > 190 * 2**20
     # the one-time conversion into datasets' cache (and the tokenising) happen here first, as a first run
     # would; the measured runs read from the cache, as every later run does
-    from fitone.data import tokenize
+    from fitone.data.tokens import tokenize
     from fitone.models import load_config, load_tokenizer
 
     for name in ("small", "big"):
-        cfg = TrainConfig(model=str(model_dir), data=str(tmp_path / f"{name}.parquet"), seq_len=16, progress=False)
+        cfg = TrainConfig(model=str(model_dir), data=str(tmp_path / f"{name}.parquet"), seq_len=16,
+                          progress=False).data_settings()
         config = load_config(str(model_dir), from_scratch=False)
         tokenize(open_data(cfg, CAUSAL), CAUSAL, load_tokenizer(str(model_dir), config, from_scratch=False), cfg)
     small = _peak_rss_of_training(model_dir, tmp_path / "small.parquet", tmp_path / "run-small", tmp_path)

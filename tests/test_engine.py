@@ -73,3 +73,66 @@ def test_expandable_segments_are_switched_on_unless_the_user_configured_the_allo
     assert not memory.use_expandable_segments(True) and len(calls) == 1  # the user's setting wins
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     assert memory.use_expandable_segments(False) and len(calls) == 1
+
+
+def _three_steps(timed: bool, phases: bool = True, **engine_options):
+    """(losses, weights, timers, callbacks seen) of three steps of the tiny engine, with the timing hook or without."""
+    import contextlib
+
+    from conftest import fixed_batch, tiny_engine, weights
+    from fitone.zero2.timing import timed_engines
+
+    built: list = []
+    hook = timed_engines(phases=phases, detail_from=2, on_start=lambda: built.append("start"),
+                         on_built=built.append) if timed else contextlib.nullcontext([])
+    with hook as timers:
+        engine = tiny_engine(**engine_options)
+        try:
+            losses = []
+            for step in range(1, 4):
+                loss = engine.forward(fixed_batch(step))
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            engine.sync_weights()
+            got = weights(engine)
+        finally:
+            engine.close()
+    return losses, got, timers, built, engine
+
+
+def test_the_phase_timer_reports_each_phase_and_training_is_bit_identical_with_it_on():
+    """zero2.timing.timed_engines on a real ZeRO-2 step: each optimizer step's forward, backward and optimizer
+    times, ZeRO-2's parts from the detail step on (CPU Adam really ran there), and the same bits as untimed."""
+    import torch
+
+    plain_losses, plain, none, _, untimed = _three_steps(timed=False)
+    assert untimed.timer is None and none == []
+    losses, got, timers, built, engine = _three_steps(timed=True)
+    assert losses == plain_losses and got.keys() == plain.keys() and all(torch.equal(got[k], plain[k]) for k in got)
+    (timer,) = timers
+    assert built == ["start", engine] and engine.timer is timer and timer.applied == [True, True, True]
+    assert len(timer.steps) == 3
+    for step in timer.steps:
+        assert all(step[k] > 0 for k in ("forward_s", "backward_s", "optimizer_s")), step
+    assert not any(k in step for step in timer.steps[:2] for k in ("cpu_adam_s", "grad_transfer_s"))
+    detail = timer.steps[2]
+    assert detail["cpu_adam_s"] > 0 and detail["grad_transfer_s"] > 0 and detail["backward_compute_s"] >= 0
+    assert detail["cpu_adam_s"] + detail["param_upload_s"] <= detail["optimizer_s"]
+    # the callbacks alone: no timer, so no syncs
+    losses, got, timers, built, engine = _three_steps(timed=True, phases=False)
+    assert timers == [] and engine.timer is None and built == ["start", engine] and losses == plain_losses
+
+
+def test_the_phase_timer_keeps_an_overlapped_updates_counters_once_each():
+    """The pipelined update's CPU work runs beside the next step: its own counters come with the step in which
+    it completed, and the weights match the untimed run's."""
+    import torch
+
+    plain_losses, plain, *_ = _three_steps(timed=False, pipelined=True)
+    losses, got, (timer,), _, _ = _three_steps(timed=True, pipelined=True)
+    assert losses == plain_losses and got.keys() == plain.keys() and all(torch.equal(got[k], plain[k]) for k in got)
+    updates = [s for s in timer.steps if "update_cpu_adam_s" in s]
+    assert updates, timer.steps
+    for step in updates:
+        assert 0 < step["update_cpu_adam_s"] <= step["update_thread_s"] and step["update_wait_s"] >= 0

@@ -249,7 +249,7 @@ def test_gpu_oom_mid_run_names_the_batch_and_keeps_the_checkpoint(tmp_path, monk
 def test_a_lower_batch_size_on_resume_continues_at_the_same_example():
     from transformers import ByT5Tokenizer
 
-    data = load_dataset(cpu_config(), SEQ2SEQ, ByT5Tokenizer(), 384)
+    data = load_dataset(cpu_config().data_settings(), SEQ2SEQ, ByT5Tokenizer(), 384)
     before = next(batches(data, 4, seed=0, pad_id=0, start_batch=2))[2]["input_ids"]  # examples 8-11
     epoch, start = resume_position(0, 2, 4, 2)
     after = batches(data, 2, seed=0, pad_id=0, start_epoch=epoch, start_batch=start)

@@ -12,7 +12,8 @@ from conftest import CLI_RUN, cpu_config, run_main
 import fitone
 from fitone import checkpoint, memory
 from fitone.errors import TrainingAborted
-from fitone.guards import BadStepStreak, HostMemoryWatch, StopRequest, is_loss_scale_collapse, numerics_advice
+from fitone.guards import BadStepStreak, HostMemoryWatch, StopRequest, numerics_advice
+from fitone.zero2.errors import is_loss_scale_collapse
 
 
 def test_first_signal_asks_to_stop_and_second_exits_at_once():

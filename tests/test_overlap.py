@@ -1,4 +1,4 @@
-"""The overlapped updates (fitone.zero2.overlap: delayed and pipelined) on real DeepSpeed ZeRO-2 CPU-offload engines.
+"""The overlapped updates (fitone.zero2.overlap, fitone.zero2.delayed) on real DeepSpeed ZeRO-2 CPU-offload engines.
 
 Tiny T5 on the CPU in fp32 (DeepSpeed refuses fp16 there). What cannot be shown here is the speed: the
 point of the mode is a GPU busy while the CPU runs Adam; on a CPU both share the same cores.
@@ -224,7 +224,7 @@ def test_the_pipelined_update_is_deepspeeds_update_while_the_next_forward_runs()
         engine.sync_weights()
         got = weights(engine)
         assert engine.overlap.applied == 8
-        # the benchmark's split (scripts/bench_gpu.py): each completed update's wall-clock counters
+        # the benchmark's split (scripts/bench_tools.py): each completed update's wall-clock counters
         last = engine.overlap.last_timing
         assert seventh is not None and last is not seventh
         for timing in (seventh, last):

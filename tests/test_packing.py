@@ -20,7 +20,9 @@ from conftest import run_main
 from tolerance import fp32_logit_drift
 
 from fitone import packing
-from fitone.data import ArrowExamples, Example, collate, pack_examples
+from fitone.data import collate
+from fitone.data.examples import ArrowExamples, Example
+from fitone.data.tokens import pack_examples
 from fitone.errors import ConfigError
 from fitone.models import CAUSAL
 

@@ -174,7 +174,7 @@ def test_backward_oom_is_reset_and_later_steps_match_a_fresh_engine(tmp_path):
     cfg = probe_config(ds_config=str(ds_file))
     device = start_runtime(cfg).device
     config = load_config("t5-tiny", from_scratch=True)
-    fixed = worst_case_batch("seq2seq", 2, cfg, config.vocab_size, 0)
+    fixed = worst_case_batch("seq2seq", 2, cfg.data_settings(), config.vocab_size, 0)
 
     def train_on(engine: Engine) -> tuple[list[float], dict[str, torch.Tensor]]:
         losses = []

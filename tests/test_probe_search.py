@@ -7,11 +7,16 @@ is tested elsewhere; here only the search's decisions are under test.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
+from conftest import child_env
 from fitone.errors import ConfigError, MemoryBudgetError
 from fitone.probe.results import ProbeResult, TrialResult
 from fitone.probe.search import granularity_at, search_batch_size
@@ -274,3 +279,16 @@ def test_plot_without_cap_or_measurements_still_writes_a_png(tmp_path):
     result = search_batch_size(unmeasured, log=quiet)
     assert result.best_throughput is None and result.memory_line() is None
     assert result.plot(tmp_path / "bare.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_search_and_its_results_load_without_torch_and_leave_render_to_their_callers(tmp_path):
+    """The search knows nothing of training, and results are data: render draws them when asked."""
+    code = ("import sys, fitone.probe.search, fitone.probe.results\n"
+            "heavy = ('torch', 'deepspeed', 'transformers', 'fitone.probe.trial')\n"
+            "print(sorted(m for m in heavy if m in sys.modules))")
+    run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=child_env(), capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "[]", run.stderr
+    results = ast.parse((Path(__file__).parents[1] / "fitone" / "probe" / "results.py").read_text())
+    top = {n.module for n in results.body if isinstance(n, ast.ImportFrom)}
+    assert "fitone.render" not in top  # table() and plot() import it when called: no render -> results -> render

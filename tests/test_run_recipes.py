@@ -1,4 +1,4 @@
-"""scripts/run_recipes.py, the one device call that runs every shipped GPU recipe, in its CPU dry run:
+"""scripts/bench_recipes.py, the one command that runs every shipped GPU recipe, in its CPU dry run:
 real child processes train the tiny model of each recipe's task; the GPU numbers only count on the GPU."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from conftest import child_env
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "run_recipes.py"
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_recipes.py"
 
 
 def _dry_run(out: Path, *args: str) -> subprocess.CompletedProcess:

@@ -15,7 +15,7 @@ import pytest
 from transformers import AutoTokenizer, ByT5Tokenizer
 from user_models import tokenizer as user_tokenizer
 
-from fitone.config import TrainConfig
+from fitone.config import DataSettings, TrainConfig
 from fitone.data import IGNORE_INDEX, load_dataset
 from fitone.models import CAUSAL, SEQ2SEQ
 
@@ -65,8 +65,9 @@ def tokenizers(tmp_path_factory) -> dict:
     return out
 
 
-def _cfg(path, **kw) -> TrainConfig:
-    return TrainConfig(**{"model": "gpt2-tiny", "data": str(path), "progress": False, "seq_len": 128, **kw})
+def _cfg(path, **kw) -> DataSettings:
+    return TrainConfig(**{"model": "gpt2-tiny", "data": str(path), "progress": False, "seq_len": 128,
+                          **kw}).data_settings()
 
 
 def _write(tmp_path, rows) -> str:
@@ -146,7 +147,7 @@ def test_seq2seq_pairs_are_the_tokenizers_own_ids_with_one_eos(tmp_path, tokeniz
     tok, (_, _, adds_bos, adds_eos) = tokenizers[name], KINDS[name]
     rows = [{"source": t, "target": t.upper()} for t in TEXTS]
     data = load_dataset(TrainConfig(model="t5-tiny", data=_write(tmp_path, rows), progress=False, src_len=64,
-                                    tgt_len=64), SEQ2SEQ, tok, len(tok))
+                                    tgt_len=64).data_settings(), SEQ2SEQ, tok, len(tok))
     for example, row in zip(data.examples, rows, strict=True):
         assert example.input_ids == tok(row["source"])["input_ids"], name  # as the tokenizer gives it
         # the target ends with EOS once, so the model learns to stop (appended where the tokenizer adds none)
@@ -155,7 +156,7 @@ def test_seq2seq_pairs_are_the_tokenizers_own_ids_with_one_eos(tmp_path, tokeniz
     # truncated: the BOS stays first, the tokenizer's own end stays last
     long_row = {"source": " ".join(TEXTS * 3), "target": " ".join(TEXTS * 3)}
     data = load_dataset(TrainConfig(model="t5-tiny", data=_write(tmp_path, [long_row]), progress=False, src_len=8,
-                                    tgt_len=8), SEQ2SEQ, tok, len(tok))
+                                    tgt_len=8).data_settings(), SEQ2SEQ, tok, len(tok))
     (example,) = data.examples
     source, target = tok(long_row["source"])["input_ids"], _own(tok, long_row["target"], adds_eos)
     assert data.truncated == 1

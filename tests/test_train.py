@@ -163,8 +163,8 @@ def test_eval_data_scores_the_users_held_out_file(tmp_path, text_jsonl):
     reversed_ = fitone.train(cpu_config(**common, eval_data=str(wrong), source_field="question",
                                         target_field="answer"))
     assert reversed_.quality["eval_loss"] > 1.2 * shipped.quality["eval_loss"]
-    assert data_file(cpu_config(data=str(text_jsonl)), CAUSAL, split="eval") is None
-    assert data_file(cpu_config(data="synthetic"), SEQ2SEQ, split="eval") is None
+    assert data_file(cpu_config(data=str(text_jsonl)).data_settings(), CAUSAL, split="eval") is None
+    assert data_file(cpu_config(data="synthetic").data_settings(), SEQ2SEQ, split="eval") is None
 
 
 def test_eval_every_scores_during_the_run_and_logs_each_score(tmp_path):

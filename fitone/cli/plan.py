@@ -37,10 +37,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, FLAGS)  # first: a bad option costs no torch import
     from fitone.plan import plan
+    from fitone.render import plan_text, plot_plan
 
     result = plan(cfg, gpu_mem=args.gpu_mem, gpus=args.gpus, host_mem=args.host_mem)
-    print(json.dumps(result.to_dict(), indent=2) if args.json else result)
+    print(json.dumps(result.to_dict(), indent=2) if args.json else plan_text(result))
     if args.plot:
-        result.plot(args.plot)
+        plot_plan(result, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr if args.json else sys.stdout)
     return 0

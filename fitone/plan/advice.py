@@ -47,13 +47,11 @@ def unforeseen_oom(phase: str, *, verbose: bool = False) -> Iterator[None]:
 def _judge(p: Plan, st: _Setup, gpu_peak: Callable[..., int], max_batch: Callable[..., int | None],
            judge_at: int) -> None:
     """Fill in the verdict, what runs short, and what would help."""
-    gpu_ok = lambda total: p.gpu_limit is None or total <= p.gpu_limit  # noqa: E731
-    host_ok = lambda total: total <= p.host_available  # noqa: E731
     gpu_off, gpu_on = gpu_peak(judge_at, True), gpu_peak(judge_at, False)
     host_off = p.host_total if p.offload else st.gpus * sum(c.bytes for c in _host_components(st, True))
-    if p.gpu_limit is not None and gpu_ok(gpu_on) and host_ok(p.host_total_without_offload):
+    if p.gpu_limit is not None and _gpu_ok(p, gpu_on) and p.host_total_without_offload <= p.host_available:
         p.verdict = FITS_ON_GPU
-    elif gpu_ok(gpu_off) and host_ok(host_off):
+    elif _gpu_ok(p, gpu_off) and host_off <= p.host_available:
         p.verdict = FITS_WITH_OFFLOAD
     else:
         p.verdict = DOES_NOT_FIT
@@ -63,43 +61,60 @@ def _judge(p: Plan, st: _Setup, gpu_peak: Callable[..., int], max_batch: Callabl
     if p.host_export > p.host_available:  # the run's host peak: the steps' plus the export's one shard
         p.short["host"] = p.host_export - p.host_available
 
-    tips = p.suggestions
     if p.verdict == FITS_ON_GPU and p.offload:
-        tips.append("--offload none: everything fits on the GPU, and ZeRO-2 without offload is about 2x faster "
-                    "(no CPU Adam step)")
+        # for the host RAM, not for speed: on one GPU the default pipelined offload runs about as fast as no
+        # offload (t5-3b on an H200, bench/results/2026-12-01-recipes/)
+        p.suggestions.append("--offload none: everything fits on the GPU, and the optimizer states need no host RAM")
     if p.verdict == FITS_WITH_OFFLOAD and not p.offload:
-        tips.append(f"--offload cpu: the optimizer states move to host RAM, saving "
-                    f"{_g(gpu_on - gpu_off):.1f} GiB of GPU memory")
+        p.suggestions.append(f"--offload cpu: the optimizer states move to host RAM, saving "
+                             f"{_g(gpu_on - gpu_off):.1f} GiB of GPU memory")
     if "GPU" in p.short:
-        if p.max_micro_batch:
-            tips.append(f"--batch-size {p.max_micro_batch} (the largest that fits; add --grad-accum to keep the "
-                        "global batch)")
-        alternatives = [
-            ("--precision bf16 (or fp16): 16-bit weights and activations", p.precision == "fp32",
-             dataclasses.replace(st, precision="bf16")),
-            ("--activation-checkpointing: recompute activations in backward", not st.checkpointing,
-             dataclasses.replace(st, checkpointing=True)),
-            ("half the lengths (--src-len/--tgt-len or --seq-len)", True,
-             dataclasses.replace(st, lengths=Lengths(max(1, st.lengths.src // 2), max(1, st.lengths.tgt // 2)))),
-            ("reduce_bucket_size 5e7 in a --ds-config file (smaller gradient buckets)", st.bucket > 5e7,
-             dataclasses.replace(st, bucket=int(5e7))),
-        ]
-        for text, applies, alt in alternatives:
-            if applies:
-                saved = gpu_peak(p.micro_batch, p.offload) - gpu_peak(p.micro_batch, p.offload, alt)
-                if saved > 0:  # nothing a step holds helps when the engine's init is what binds
-                    tips.append(f"{text}: saves {_g(saved):.1f} GiB at this micro-batch, largest micro-batch "
-                                f"{max_batch(p.offload, alt)}")
-        if p.gpu_peak_phase == "engine init":
-            tips.append("a GPU with more memory, or a smaller model: the engine's init, before any batch, needs "
-                        f"{_g(p.gpu_init_total):.1f} GiB")
+        p.suggestions.extend(_gpu_tips(p, st, gpu_peak, max_batch))
     if "host" in p.short:
-        tips.append(f"a machine with at least {_g(p.host_export) + 1:.0f} GiB of host RAM "
-                    f"({_g(p.short['host']):.1f} GiB more than available)")
-        pinned = sum(c.bytes for c in p.host if c.name == "pinned rounding")
-        if pinned:
-            tips.append(f"\"pin_memory\": false under offload_optimizer in a --ds-config file: saves "
-                        f"{_g(pinned * st.gpus):.1f} GiB of power-of-two rounding, at some transfer speed")
-        if p.offload and p.gpu_limit is not None and gpu_ok(gpu_on):
-            tips.append("--offload none: the GPU can hold the optimizer states")
-        tips.append("a smaller model")
+        p.suggestions.extend(_host_tips(p, st, gpu_on))
+
+
+def _gpu_ok(p: Plan, total: int) -> bool:
+    return p.gpu_limit is None or total <= p.gpu_limit
+
+
+def _gpu_tips(p: Plan, st: _Setup, gpu_peak: Callable[..., int], max_batch: Callable[..., int | None]) -> list[str]:
+    """What would bring the GPU under its limit, each with what it saves at this micro-batch."""
+    tips = []
+    if p.max_micro_batch:
+        tips.append(f"--batch-size {p.max_micro_batch} (the largest that fits; add --grad-accum to keep the "
+                    "global batch)")
+    alternatives = [
+        ("--precision bf16 (or fp16): 16-bit weights and activations", p.precision == "fp32",
+         dataclasses.replace(st, precision="bf16")),
+        ("--activation-checkpointing: recompute activations in backward", not st.checkpointing,
+         dataclasses.replace(st, checkpointing=True)),
+        ("half the lengths (--src-len/--tgt-len or --seq-len)", True,
+         dataclasses.replace(st, lengths=Lengths(max(1, st.lengths.src // 2), max(1, st.lengths.tgt // 2)))),
+        ("reduce_bucket_size 5e7 in a --ds-config file (smaller gradient buckets)", st.bucket > 5e7,
+         dataclasses.replace(st, bucket=int(5e7))),
+    ]
+    for text, applies, alt in alternatives:
+        if applies:
+            saved = gpu_peak(p.micro_batch, p.offload) - gpu_peak(p.micro_batch, p.offload, alt)
+            if saved > 0:  # nothing a step holds helps when the engine's init is what binds
+                tips.append(f"{text}: saves {_g(saved):.1f} GiB at this micro-batch, largest micro-batch "
+                            f"{max_batch(p.offload, alt)}")
+    if p.gpu_peak_phase == "engine init":
+        tips.append("a GPU with more memory, or a smaller model: the engine's init, before any batch, needs "
+                    f"{_g(p.gpu_init_total):.1f} GiB")
+    return tips
+
+
+def _host_tips(p: Plan, st: _Setup, gpu_on: int) -> list[str]:
+    """What would bring host RAM under what is available."""
+    tips = [f"a machine with at least {_g(p.host_export) + 1:.0f} GiB of host RAM "
+            f"({_g(p.short['host']):.1f} GiB more than available)"]
+    pinned = sum(c.bytes for c in p.host if c.name == "pinned rounding")
+    if pinned:
+        tips.append(f"\"pin_memory\": false under offload_optimizer in a --ds-config file: saves "
+                    f"{_g(pinned * st.gpus):.1f} GiB of power-of-two rounding, at some transfer speed")
+    if p.offload and p.gpu_limit is not None and _gpu_ok(p, gpu_on):
+        tips.append("--offload none: the GPU can hold the optimizer states")
+    tips.append("a smaller model")
+    return tips

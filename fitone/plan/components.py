@@ -6,17 +6,15 @@ numbers are cited in comments; the rows a user reads name what each piece is).
 
 from __future__ import annotations
 
-import contextlib
 import math
-import os
-import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from fitone import memory
+from fitone import checkpoint, hf_export, memory, zero2
 from fitone.plan.activations import Lengths, activation_bytes, fused_loss_fixed_bytes
 from fitone.plan.shape import ModelShape
-from fitone.units import GIB, gib
+from fitone.units import GIB, gib, parse_size
+from fitone.zero2 import layout, overlap
 
 CATEGORIES = ("weights", "gradients", "optimizer", "activations", "buffers", "overhead")
 
@@ -92,18 +90,13 @@ class Plan:
     @property
     def host_export(self) -> int:
         """Host RAM while `final/` is written: the steps' and one export shard, which is all the streamed export
-        holds (fitone.checkpoint.export; measured: bench/results/2026-12-01-issue27/llama-3.1-8b/)."""
-        from fitone.checkpoint import EXPORT_SHARD_SIZE
-        from fitone.units import parse_size
-
-        return self.host_total + int(parse_size(EXPORT_SHARD_SIZE, "shard size"))
+        holds (fitone.hf_export.export; measured: bench/results/2026-12-01-issue27/llama-3.1-8b/)."""
+        return self.host_total + int(parse_size(hf_export.EXPORT_SHARD_SIZE, "shard size"))
 
     @property
     def checkpoint_bytes(self) -> int:
         """Disk bytes of one `--save-every` checkpoint of this model (fitone.checkpoint.checkpoint_bytes)."""
-        from fitone.checkpoint import checkpoint_bytes
-
-        return checkpoint_bytes(self.n_params, self.precision)
+        return checkpoint.checkpoint_bytes(self.n_params, self.precision)
 
     @property
     def host_states(self) -> int:
@@ -117,10 +110,39 @@ class Plan:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        from fitone.render import plan_dict
+        """The plan as JSON-ready values: bytes, and GiB rounded to 3 decimals (`fitone plan --json`)."""
 
-        return plan_dict(self)
+        def comps(items: list[Component]) -> list[dict[str, Any]]:
+            return [{"name": c.name, "category": c.category, "bytes": c.bytes, "gib": _g(c.bytes), "note": c.note}
+                    for c in items]
 
+        return {
+            "model": self.model, "family": self.family, "n_params": self.n_params, "precision": self.precision,
+            "offload": "cpu" if self.offload else "none", "gpus": self.gpus, "micro_batch": self.micro_batch,
+            "lengths": self.lengths, "activation_checkpointing": self.activation_checkpointing,
+            "gpu_gib": _g(self.gpu_total), "gpu_allocated_gib": _g(self.gpu_allocated),
+            "host_gib": _g(self.host_total), "host_export_gib": _g(self.host_export),
+            "checkpoint_gib": _g(self.checkpoint_bytes), "gpu_init_gib": _g(self.gpu_init_total),
+            "gpu_peak_gib": _g(self.gpu_peak), "gpu_peak_phase": self.gpu_peak_phase,
+            "gpu_limit_gib": None if self.gpu_limit is None else _g(self.gpu_limit),
+            "gpu_limit_source": self.gpu_limit_source, "host_available_gib": _g(self.host_available),
+            "components": {"gpu": comps(self.gpu), "gpu_init": comps(self.gpu_init), "host": comps(self.host)},
+            "categories_gib": {w: {k: _g(v) for k, v in self.by_category(w).items()} for w in ("gpu", "host")},
+            "activation_per_sample_gib": _g(self.activation_per_sample),
+            "activation_per_sample_ckpt_gib": _g(self.activation_per_sample_ckpt),
+            "activation_per_sample_no_ckpt_gib": _g(self.activation_per_sample_no_ckpt),
+            "max_micro_batch": self.max_micro_batch,
+            "max_micro_batch_without_offload": self.max_micro_batch_without_offload,
+            "gpu_gib_without_offload": _g(self.gpu_total_without_offload),
+            "host_gib_without_offload": _g(self.host_total_without_offload),
+            "verdict": self.verdict, "short_gib": {k: _g(v) for k, v in self.short.items()},
+            "suggestions": self.suggestions, "notes": self.notes,
+            "deepspeed_estimate_gib": None if self.deepspeed_estimate is None
+            else {k: _g(v) for k, v in self.deepspeed_estimate.items()},
+        }
+
+    # A notebook's conveniences (README, examples/quickstart.ipynb): fitone's own callers draw through render,
+    # which imports nothing of the plan at run time, so these two imports close no cycle
     def __str__(self) -> str:
         from fitone.render import plan_text
 
@@ -183,10 +205,8 @@ def _gpu_components(st: _Setup, offload: bool, micro_batch: int) -> list[Compone
                            f"({'overlap_comm' if nbuf == 2 else 'one bucket'})"))
     largest = s.largest_param
     if offload and st.pipelined_update:  # the lean layout (fitone.zero2.layout): the sums go up in chunks
-        from fitone.zero2.layout import CHUNK_ELEMENTS, NORM_CHUNK_ELEMENTS
-
-        comps.append(Component("offload staging", "buffers", w * largest + 8 * min(largest, NORM_CHUNK_ELEMENTS)
-                               + w * min(largest, CHUNK_ELEMENTS),
+        comps.append(Component("offload staging", "buffers", w * largest + 8 * min(largest, layout.NORM_CHUNK_ELEMENTS)
+                               + w * min(largest, layout.CHUNK_ELEMENTS),
                                "largest param: its autograd grad; one chunk of its fp64 copy for the norm at the "
                                "boundary and one of its sum so far"))
     elif offload:
@@ -197,9 +217,7 @@ def _gpu_components(st: _Setup, offload: bool, micro_batch: int) -> list[Compone
                                + (", an fp32 copy for the CPU" if upcast else "")))
     if offload:
         if st.pipelined_update and st.on_gpu:
-            from fitone.zero2.overlap import UPLOAD_CHUNK
-
-            comps.append(Component("pipelined-update landing", "buffers", 2 * 4 * min(UPLOAD_CHUNK, part),
+            comps.append(Component("pipelined-update landing", "buffers", 2 * 4 * min(overlap.UPLOAD_CHUNK, part),
                                    "two fp32 chunks: the updated master goes up and is cast on the GPU"))
     else:
         comps.append(Component("gradient partition", "gradients", w * part,
@@ -238,8 +256,6 @@ def _gpu_init_components(st: _Setup, offload: bool) -> list[Component]:
     the fp32 master there. Measured over the weights: the largest group and about one more bounded group
     (llama-7b, groups of up to 2^27 elements: bench/results/2026-12-01-issue19-export-t5/; Llama-3.1-8B, its
     525M-element embedding alone in a group: bench/results/2026-12-01-issue27/llama-3.1-8b/)."""
-    from fitone.zero2 import layout
-
     s, w = st.shape, st.w
     part = math.ceil(s.n_params / st.gpus)
     sizes = [0] * (max(layout.group_of_each(list(s.param_numels)), default=0) + 1)
@@ -263,8 +279,6 @@ def _host_components(st: _Setup, offload: bool) -> list[Component]:
         return [Component("model load", "weights", 4 * s.n_params, "fp32 weights on the CPU before they move"),
                 Component("process baseline", "overhead", baseline, "python, torch, CUDA, DeepSpeed")]
     if st.pipelined_update:  # the lean host layout (fitone.zero2.layout): the arithmetic's 14 B/param, little else
-        from fitone.zero2.layout import CHUNK_ELEMENTS
-
         comps = [
             Component("fp32 master weights", "weights", 4 * part, "4 B/param, page-locked in place"),
             Component("gradients", "gradients", w * part,
@@ -273,7 +287,7 @@ def _host_components(st: _Setup, offload: bool) -> list[Component]:
             Component("Adam m and v", "optimizer", 8 * part, "8 B/param, DeepSpeedCPUAdam states"),
         ]
         if w < 4:
-            comps.append(Component("fp32 gradient chunk", "buffers", 4 * min(part, CHUNK_ELEMENTS),
+            comps.append(Component("fp32 gradient chunk", "buffers", 4 * min(part, layout.CHUNK_ELEMENTS),
                                    "the gradients widened for Adam one chunk at a time"))
         return comps + [Component("process baseline", "overhead", baseline, "python, torch, CUDA, DeepSpeed")]
     pin = _pow2 if st.pin_memory else (lambda x: x)
@@ -323,15 +337,5 @@ def _largest_batch(fits: Callable[[int], bool], start: int) -> int:
 
 
 def _deepspeed_estimate(n_params: int, gpus: int, offload: bool) -> dict[str, int] | None:
-    """DeepSpeed's own numbers (the arithmetic behind estimate_zero2_model_states_mem_needs_all_live)."""
-    if not memory.cuda_ready():  # DeepSpeed falls back to its CPU accelerator itself, warning that it found no GPU
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    try:
-        # DeepSpeed's logger writes to stdout from import on; keep `fitone plan --json` one JSON object
-        with contextlib.redirect_stdout(sys.stderr):
-            from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
-    except Exception:  # an optional comparison; never the reason a plan fails
-        return None
-    host, gpu = estimate_zero2_model_states_mem_needs(n_params, num_gpus_per_node=gpus, num_nodes=1,
-                                                      cpu_offload=offload)
-    return {"gpu": int(gpu), "host": int(host)}
+    """DeepSpeed's own numbers for the model states (fitone.zero2.model_states_estimate), beside the plan's."""
+    return zero2.model_states_estimate(n_params, gpus=gpus, offload=offload, on_gpu=memory.cuda_ready())

@@ -33,6 +33,7 @@ def plan(
     default what is available now. gpus: data-parallel ranks (ZeRO-2 partitions optimizer states).
     """
     cfg = TrainConfig.with_overrides(cfg, overrides)
+    cfg.check_paths()  # once per plan: its searches replace the settings many times
     limit, source = _gpu_limit(cfg, gpu_mem)
     if limit is None:
         raise ConfigError("no GPU on this machine to plan for: pass --gpu-mem SIZE, the memory of the card "

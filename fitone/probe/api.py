@@ -62,6 +62,7 @@ def probe_batch(
                      margin=margin, start=1, verify_steps=verify_steps, trial_steps=1)
     standalone = runtime is None
     if standalone:
+        cfg.check_paths()  # once per run (training's own probe: training checked them)
         require_model(cfg.model)
         runtime = build_runtime(cfg)
     try:

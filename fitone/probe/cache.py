@@ -40,10 +40,10 @@ def probe_key(cfg: TrainConfig, config: Any, device: str, mode: StepMode | None 
     Not in it, because a trial's memory does not depend on them: the seed, lr and schedule, the run's length,
     and the accumulation (a probe runs every step as an optimizer step; DeepSpeed's GPU buffer for
     accumulating is allocated at init whatever the accumulation, stage_1_and_2.py line 659)."""
-    import deepspeed
     import transformers
 
     import fitone
+    from fitone.zero2 import installed_version
 
     values = {k: v for k, v in config.to_dict().items() if not k.startswith("_") and k != "transformers_version"}
     lengths = ({"seq_len": cfg.seq_len} if task_of(config) == CAUSAL
@@ -58,7 +58,7 @@ def probe_key(cfg: TrainConfig, config: Any, device: str, mode: StepMode | None 
         "device": device, "gpu": memory.gpu_name(), "max_gpu_memory_bytes": cfg.max_gpu_memory_bytes,
         # what the allocator runs with: a user's PYTORCH_CUDA_ALLOC_CONF overrides --[no-]expandable-segments
         "allocator": memory.allocator_settings(cfg.expandable_segments) if device == "cuda" else None,
-        "world_size": 1, "fitone": fitone.__version__, "deepspeed": deepspeed.__version__,
+        "world_size": 1, "fitone": fitone.__version__, "deepspeed": installed_version(),
         # the allocator and kernels (torch) and the models' code (transformers) decide activation memory too
         "torch": torch.__version__, "transformers": transformers.__version__,
     }

@@ -28,6 +28,7 @@ from fitone.probe.results import TrialResult
 from fitone.random_init import build_random_model
 from fitone.zero2 import step_mode
 from fitone.zero2.step_mode import StepMode
+from fitone.zero2.errors import is_gradient_computed_twice
 
 Say = Callable[[str], None]
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -66,7 +67,7 @@ class ProbeSession:
         except BaseException:
             self.close()  # a half-built engine holds GPU and pinned host memory too
             raise
-        first = worst_case_batch(self.task, 1, cfg, config.vocab_size, self.pad_id, self.data)
+        first = worst_case_batch(self.task, 1, cfg.data_settings(), config.vocab_size, self.pad_id, self.data)
         self.batch_tokens = {k: int(first[k].shape[1]) for k in ("input_ids", "labels")}
         lengths = (f"{self.batch_tokens['input_ids']} tokens" if self.task == CAUSAL
                    else f"{self.batch_tokens['input_ids']} input + {self.batch_tokens['labels']} target tokens")
@@ -100,7 +101,7 @@ class ProbeSession:
         torch.manual_seed(cfg.seed)  # dropout masks, as in training
         with unforeseen_oom("engine init", verbose=cfg.verbose):
             self.engine = Engine(self.model, self.ds_config, **self.mode.engine_options())
-        self.engine.ds.train()
+        self.engine.train_mode()
         self.init_s += self.engine.init_s
         self.say(f"engine ready in {self.engine.init_s:.1f} s")
 
@@ -110,7 +111,7 @@ class ProbeSession:
         if cfg.data in NAMED_SOURCES or (cfg.pack and self.task == CAUSAL):  # packed: every row is full anyway
             return None, config.pad_token_id if config.pad_token_id is not None else 0
         tokenizer = load_tokenizer(cfg.model, config, from_scratch=cfg.from_scratch)
-        return load_dataset(cfg, self.task, tokenizer, config.vocab_size), tokenizer.pad_token_id
+        return load_dataset(cfg.data_settings(), self.task, tokenizer, config.vocab_size), tokenizer.pad_token_id
 
     # -- a trial ----------------------------------------------------------------------------------
     def try_size(self, size: int, steps: int) -> TrialResult:
@@ -118,7 +119,7 @@ class ProbeSession:
         try:
             return self._proven(self._run(size, steps))
         except AssertionError as exc:
-            if not (self._reset_unproven and "computed twice" in str(exc)):
+            if not (self._reset_unproven and is_gradient_computed_twice(exc)):
                 raise
         # reset_after_oom did not restore ZeRO-2's bookkeeping (another DeepSpeed version?): start over
         self.say("ZeRO-2 reports 'Gradient computed twice for this partition' after the engine reset: rebuilding "
@@ -133,7 +134,8 @@ class ProbeSession:
 
     def _run(self, size: int, steps: int) -> TrialResult:
         engine = self.engine
-        batch = worst_case_batch(self.task, size, self.cfg, self.config.vocab_size, self.pad_id, self.data)
+        batch = worst_case_batch(self.task, size, self.cfg.data_settings(), self.config.vocab_size, self.pad_id,
+                                 self.data)
         memory.reset_gpu_peak()  # a fitting trial leaves nothing behind; a failed one was cleaned up after it
         skipped_before = engine.skipped_steps
         times: list[float] = []
@@ -192,10 +194,10 @@ class ProbeSession:
 
     # -- reporting and teardown -------------------------------------------------------------------
     def meta(self) -> dict[str, Any]:
-        import deepspeed
         import transformers
 
         import fitone
+        from fitone.zero2 import installed_version
 
         cfg = self.cfg
         lengths = ({"seq_len": cfg.seq_len} if self.task == CAUSAL
@@ -216,7 +218,7 @@ class ProbeSession:
             "engine_init_s": self.init_s, "model_build_s": self.build_s,
             "engine_rebuilds": self.rebuilds, "skipped_steps": self.skipped_steps,
             "peak_measured": self.device == "cuda",
-            "versions": {"fitone": fitone.__version__, "deepspeed": deepspeed.__version__,
+            "versions": {"fitone": fitone.__version__, "deepspeed": installed_version(),
                          "torch": torch.__version__, "transformers": transformers.__version__},
             "date": dt.datetime.now().isoformat(timespec="seconds"),
         }

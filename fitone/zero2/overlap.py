@@ -2,8 +2,8 @@
 
 - `PipelinedUpdate` (the default on one GPU): step N's Adam and upload run chunk by chunk while step
   N+1's forward runs; each module's forward waits for the chunks holding its weights. DeepSpeed's arithmetic.
-- `DelayedUpdate` (experimental): step N's update runs beside step N+1's forward and backward, whose
-  gradients are therefore taken at weights one update old; it trains worse (README).
+- `DelayedUpdate` (experimental, fitone.zero2.delayed): step N's update runs beside step N+1's forward and
+  backward, whose gradients are therefore taken at weights one update old; it trains worse (README).
 
 Both decide the overflow, loss scale and gradient norm on the main thread where DeepSpeed decides them,
 and run PyTorch's fused CPU AdamW on DeepSpeedCPUAdam's states: DeepSpeed's `adam_update` holds the GIL,
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from fitone.zero2.layout import CHUNK_ELEMENTS
+from fitone.zero2.layout import CHUNK_ELEMENTS, world_size
 
 UPLOAD_CHUNK = CHUNK_ELEMENTS  # elements per pipelined Adam + upload chunk (two fp32 chunks on the GPU: 256 MiB)
 # DeepSpeedCPUAdam's C++ step runs whole SIMD blocks (up to 16 lanes x 8) and a scalar tail: chunks cut at
@@ -28,7 +28,7 @@ UPLOAD_CHUNK = CHUNK_ELEMENTS  # elements per pipelined Adam + upload chunk (two
 SIMD_BLOCK = 256
 
 
-class _OverlappedStep:
+class OverlappedStep:
     """Replaces `optimizer.step` of a DeepSpeed ZeRO-2 CPU-offload optimizer; subclasses say when and how
     the update is applied. The first `after` applied steps are DeepSpeed's own (early updates are large,
     the fp16 loss scale settles there, and the optimizer states get allocated)."""
@@ -176,84 +176,7 @@ class _OverlappedStep:
             self.opt.step = self._plain_step
 
 
-class DelayedUpdate(_OverlappedStep):
-    """One-step delayed parameter update: step N's update runs beside step N+1's forward and backward."""
-
-    name = "delayed update"
-
-    def __init__(self, optimizer: Any, *, after: int):
-        super().__init__(optimizer, after=after)
-        self.spare: list[torch.Tensor] | None = None  # the second gradient buffer per group, made on first use
-        self._uploaded: Any = None  # a CUDA event after the last upload: the staging buffers are free after it
-
-    def _launch(self, norm: torch.Tensor | None, hyper: list[dict[str, Any]]) -> None:
-        self.sync()  # step N-1's weights go up now; the GPU then runs step N+1 while the CPU does step N
-        scale = self._combined_scale(norm)
-        grads = self._swap_gradient_buffers()
-        self._release_step_buffers()
-        steps = [self._next_step(i) for i in range(len(grads))]
-        self._wait_s = 0.0
-        self.pending = self._pool.submit(self._cpu_update, grads, scale, hyper, steps, self._uploaded)
-
-    def _swap_gradient_buffers(self) -> list[torch.Tensor]:
-        """Hand this step's host gradients to the update; the next backward writes into the spare ones.
-
-        DeepSpeed looks the buffer up as `single_partition_of_fp32_groups[i].grad` at every copy, so
-        swapping the attribute redirects the next backward's copies.
-        """
-        groups = self.opt.single_partition_of_fp32_groups
-        if self.spare is None:
-            self.spare = [torch.zeros_like(p.grad).pin_memory() if p.grad.is_pinned() else torch.zeros_like(p.grad)
-                          for p in groups]
-        full = [p.grad for p in groups]
-        for p, spare in zip(groups, self.spare):
-            p.grad = spare
-        self.spare = full
-        return full
-
-    def _cpu_update(self, grads: list[torch.Tensor], scale: float | None, hyper: list[dict[str, Any]],
-                    steps: list[int], uploaded: Any) -> dict[str, float]:
-        """Adam, then the 16-bit staging copy (background thread); returns its timing."""
-        opt = self.opt
-        start = time.perf_counter()
-        adam_s = 0.0
-        for i, grad in enumerate(grads):
-            t0 = time.perf_counter()
-            self._adam(i, grad, scale, hyper[i], steps[i])
-            adam_s += time.perf_counter() - t0
-            if uploaded is not None:
-                uploaded.synchronize()  # the last upload may still be reading the staging buffer
-            opt.param_buffer_of_bit16_for_cpu_offload_groups[i].data.copy_(opt.single_partition_of_fp32_groups[i].data)
-        return {"adam_s": adam_s, "thread_s": time.perf_counter() - start}
-
-    def sync(self) -> None:
-        if self.pending is None:
-            return
-        pending, self.pending = self.pending, None
-        timing = self._result(pending)
-        self.last_timing = {**timing, "wait_s": self._wait_s}
-        from deepspeed.runtime.utils import all_gather_dp_groups
-        import deepspeed.comm as dist
-
-        opt = self.opt
-        for i in range(len(opt.bit16_groups)):
-            partition_id = dist.get_rank(group=opt.real_dp_process_group[i])
-            opt.parallel_partitioned_bit16_groups[i][partition_id].data.copy_(
-                opt.param_buffer_of_bit16_for_cpu_offload_groups[i].data, non_blocking=True)
-        if opt.parallel_partitioned_bit16_groups[0][0].is_cuda:
-            self._uploaded = torch.cuda.Event()
-            self._uploaded.record()
-        all_gather_dp_groups(groups_flat=opt.bit16_groups_flat,
-                             partitioned_param_groups=opt.parallel_partitioned_bit16_groups,
-                             dp_process_group=opt.real_dp_process_group,
-                             start_alignment_factor=opt.nccl_start_alignment_factor,
-                             allgather_bucket_size=opt.allgather_bucket_size)
-        for i in range(len(opt.bit16_groups)):
-            opt._update_model_bit16_weights(i)
-        opt._lazy_init_hp_params_optimizer_state()
-
-
-class PipelinedUpdate(_OverlappedStep):
+class PipelinedUpdate(OverlappedStep):
     """Step N's update, chunk by chunk in flat-buffer order (the order the model's parameters are
     declared, which is close to the order the forward uses them), runs while step N+1's forward runs.
     Each chunk's fp32 master weights go up as they are and are cast to 16 bits on the GPU.
@@ -274,8 +197,6 @@ class PipelinedUpdate(_OverlappedStep):
                  host: Any = None):
         """chunk_elements: per Adam + upload chunk (default: the lean layout's chunk, else UPLOAD_CHUNK)."""
         super().__init__(optimizer, after=after)
-        from fitone.zero2.layout import world_size
-
         if world_size(optimizer) > 1:
             self.close()
             raise ValueError("the pipelined update runs on one GPU (one rank)")

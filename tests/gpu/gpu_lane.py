@@ -92,7 +92,7 @@ def record(test: str, **values) -> None:
             f.write(json.dumps({"test": test, **values}) + "\n")
 
 
-# NVLink multicast off in a child (the lent machines' rule, as scripts/gpu_multi_proof.sh)
+# NVLink multicast off in a child (NCCL NVLink SHARP off, as scripts/gpu_multi_proof.sh sets it)
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 

@@ -9,7 +9,7 @@ Five runs of t5-tiny on the bundled sample task (fp32, micro-batch 16, clip 1.0,
 The two torch loops say whether a gap between the fitone runs comes from the method (staleness) or from
 fitone's implementation of it.
 
-    python scripts/delayed_update_cpu.py --out bench/results/2026-11-29-cpu-delayed-update/result.json
+    python scripts/quality_cpu.py --out bench/results/2026-11-29-cpu-delayed-update/result.json
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import _harness  # noqa: F401 - the checkout's fitone first on the path
 
 STEPS, AFTER, BATCH = 300, 20, 16
 
@@ -49,7 +48,7 @@ def torch_run(lr: float, mode: str) -> dict:
     cfg = TrainConfig(model="t5-tiny", from_scratch=True, data="sample", src_len=8, tgt_len=48, device="cpu")
     lm = load_model("t5-tiny", from_scratch=True, seed=0)
     model = lm.model.train()
-    data = load_dataset(cfg, "seq2seq", lm.tokenizer, lm.config.vocab_size)
+    data = load_dataset(cfg.data_settings(), "seq2seq", lm.tokenizer, lm.config.vocab_size)
     stream = batches(data, BATCH, seed=0, pad_id=lm.tokenizer.pad_token_id)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     params = list(model.parameters())

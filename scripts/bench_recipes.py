@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Run every shipped GPU recipe as shipped, in one device call, and record what each did.
+"""Run every shipped GPU recipe as shipped, in one command, and record what each did.
 
 Each recipe runs in its own child process, the way a user reproduces it offline:
     fitone train --recipe NAME model=<its folder> from_scratch=true data=synthetic batch_size=auto \\
@@ -12,10 +12,10 @@ largest fit), samples/s (and tokens/s for causal LMs), peak GPU, peak host RSS o
 of the whole process (probe included), or the one-line error a refusal gave, in OUT/recipes.json and
 OUT/recipes.md, with each child's log in OUT/logs/.
 
-On the GPU machine (one H200; see ../shared/gpu/README.md for the .whl prelude):
-    python3 scripts/run_recipes.py --out $OUT --recipes t5-large/24gb,t5-3b/80gb,gpt2-xl/16gb,t5-3b/24gb
-took 440 s there, the CPU Adam build included (bench/results/2026-12-01-recipes/). A device call is limited
-to 10 minutes, so llama-7b/24gb (two 7B engine inits: ~5 minutes) runs in a call of its own
+On a CUDA machine (measured on one H200):
+    python3 scripts/bench_recipes.py --out $OUT --recipes t5-large/24gb,t5-3b/80gb,gpt2-xl/16gb,t5-3b/24gb
+took 440 s there, the CPU Adam build included (bench/results/2026-12-01-recipes/). Under a 10-minute
+limit on one command, llama-7b/24gb (two 7B engine inits: ~5 minutes) runs in a command of its own
 (`--recipes llama-7b/24gb`; it needs ~103 GiB of host RAM, which a 128 GiB machine has). A recipe that
 would start after --budget-s (540 s) is recorded as skipped (rerun it with --recipes NAME).
 
@@ -26,7 +26,6 @@ the tiny model of their task, fp32, short lengths, micro-batch 2 and no GPU cap.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import os
 import re
@@ -38,8 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from _harness import checkout_env, env_flag, machine as _machine  # and the checkout first on the path
 
 # the two without offload first: they need no CPU Adam, which builds meanwhile (run_all); llama last (the
 # most host RAM). The CPU recipe is the README's quick start, not run here.
@@ -66,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def dry_run() -> bool:
-    return os.environ.get("FITONE_RECIPES_DRY_RUN", "") not in ("", "0")
+    return env_flag("FITONE_RECIPES_DRY_RUN")
 
 
 def overrides_for(name: str, steps: int) -> dict[str, Any]:
@@ -167,13 +165,9 @@ def run_all(args: argparse.Namespace) -> int:
     unknown = [n for n in names if n not in shipped]
     if unknown:
         raise SystemExit(
-            f"run_recipes: not a shipped GPU recipe: {', '.join(unknown)} (choose from {', '.join(shipped)})"
+            f"bench_recipes: not a shipped GPU recipe: {', '.join(unknown)} (choose from {', '.join(shipped)})"
         )
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-        "FITONE_CACHE_DIR": tempfile.mkdtemp(prefix="run-recipes-cache-"),
-    }  # a fresh probe per recipe
+    env = checkout_env(FITONE_CACHE_DIR=tempfile.mkdtemp(prefix="run-recipes-cache-"))  # a fresh probe per recipe
     began = time.monotonic()
     # DeepSpeed's CPU Adam is JIT-compiled once per fresh machine (~50 s on the H200, README): on the CPU
     # cores, while the recipes without offload use the GPU, instead of inside the first offloaded recipe
@@ -192,7 +186,7 @@ def run_all(args: argparse.Namespace) -> int:
                     "recipe": name,
                     "status": "skipped",
                     "error": f"the {args.budget_s:.0f} s budget was spent; "
-                    f"run it alone: scripts/run_recipes.py --out DIR --recipes {name}",
+                    f"run it alone: scripts/bench_recipes.py --out DIR --recipes {name}",
                 }
             )
             continue
@@ -239,28 +233,7 @@ def run_all(args: argparse.Namespace) -> int:
 
 
 def machine() -> dict[str, Any]:
-    from importlib.metadata import version
-
-    import torch
-
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (CPU)"
-    try:  # the device's copy of the tree may have no .git, or no git
-        commit = (
-            subprocess.run(
-                ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False
-            ).stdout.strip()
-            or None
-        )
-    except OSError:
-        commit = None
-    return {
-        "gpu": gpu,
-        "torch": torch.__version__,
-        "deepspeed": version("deepspeed"),
-        "commit": commit,
-        "date": dt.datetime.now().isoformat(timespec="seconds"),
-        "dry_run": dry_run(),
-    }
+    return _machine(dry_run())
 
 
 def line_for(r: dict[str, Any]) -> str:
@@ -298,7 +271,7 @@ def write_results(out: Path, records: list[dict[str, Any]], wall_s: float) -> No
     head = (
         f"# Shipped recipes as shipped: {info['gpu']}, {info['date']}, commit {info['commit']}"
         f"{' (DRY RUN on the CPU: tiny models, not the recipes)' if info['dry_run'] else ''}\n\n"
-        f"`python3 scripts/run_recipes.py --out OUT` ({wall_s:.0f} s wall); torch {info['torch']}, "
+        f"`python3 scripts/bench_recipes.py --out OUT` ({wall_s:.0f} s wall); torch {info['torch']}, "
         f"deepspeed {info['deepspeed']}.\n\n"
     )
     (out / "recipes.md").write_text(head + "\n".join(rows) + "\n")

@@ -1,8 +1,10 @@
-"""Open a --data / --eval-data source as a memory-mapped Arrow table through the `datasets` library.
+"""Where a run's rows come from: a --data / --eval-data source opened as a memory-mapped Arrow table through the
+`datasets` library, `sample` (the shipped numbers-to-words task), and the fields a run reads from it.
 
 A source is a .jsonl/.json, .csv or .parquet file or glob, a directory written by `save_to_disk`, or a hub
-dataset id. Files are converted once into Arrow files in datasets' cache and read from there by memory
-map, so a corpus larger than RAM is never read into it. Every problem a user can fix is one DataError line.
+dataset id (seq2seq: source/target fields; causal: text, prompt + text, or chat `messages`). Files are
+converted once into Arrow files in datasets' cache and read from there by memory map, so a corpus larger
+than RAM is never read into it. Every problem a user can fix is one DataError line.
 """
 
 from __future__ import annotations
@@ -13,10 +15,18 @@ import logging
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from fitone.errors import DataError
+from fitone.config import DataSettings
+from fitone.data.chat import MESSAGES_FIELD, check_chat
+from fitone.errors import ConfigError, DataError
+from fitone.models import CAUSAL, SEQ2SEQ
 
+SAMPLE_DIR = Path(__file__).parents[1] / "sample_data"
+SAMPLE_TRAIN = SAMPLE_DIR / "numbers-train.jsonl"
+SAMPLE_EVAL = SAMPLE_DIR / "numbers-eval.jsonl"
 BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
 KINDS = ".jsonl/.json, .csv or .parquet"  # the files BUILDERS reads, as messages name them
 EVAL_SPLITS = ("validation", "test")  # tried in this order when --eval-data is a hub id or a DatasetDict
@@ -213,3 +223,93 @@ def datasets_output(*, bars: bool, logs: bool) -> Iterator[None]:
         logger.setLevel(level)
         if was_on:
             datasets.enable_progress_bars()
+
+
+class CausalFields(tuple):
+    """(prompt field, text field) of a causal LM's rows: the loss is taken on the text only."""
+
+
+class ChatFields(tuple):
+    """(messages field,): rows are chat conversations; the loss is taken on the assistant turns only."""
+
+
+def _field_flags(fields: Sequence[str]) -> dict[str, str]:
+    """field -> the option that renames it, for error messages."""
+    if isinstance(fields, ChatFields):
+        return {fields[0]: "text-field"}
+    if isinstance(fields, CausalFields):
+        return {fields[0]: "prompt-field", fields[1]: "text-field"}
+    if len(fields) == 1:
+        return {fields[0]: "text-field"}
+    return {fields[0]: "source-field", fields[1]: "target-field"}
+
+
+def _user_fields(settings: DataSettings, task: str) -> tuple[str, ...]:
+    if task == SEQ2SEQ:
+        if settings.prompt_field:
+            raise ConfigError(f"--prompt-field is for causal LMs; {settings.model} is seq2seq: its input is "
+                              "--source-field and its output --target-field")
+        if settings.pack:
+            raise ConfigError(f"--pack is for causal LMs; {settings.model} is seq2seq: drop --pack (its batches are "
+                              "padded to their longest example)")
+        return (settings.source_field, settings.target_field)
+    if settings.prompt_field:
+        return CausalFields((settings.prompt_field, settings.text_field))
+    return (settings.text_field,)
+
+
+def data_file(settings: DataSettings, task: str, *, split: str = "train") -> tuple[str, tuple[str, ...]] | None:
+    """The source (file, glob, save_to_disk dir or hub id) and text fields a run reads for `split`; None when
+    there is none (synthetic data, or no --eval-data beside a user's data: fitone does not hold out silently)."""
+    user_fields = _user_fields(settings, task)
+    if split == "eval" and settings.eval_data:
+        return settings.eval_data, user_fields
+    if settings.data == "synthetic":
+        return None
+    if settings.data == "sample":
+        if task != SEQ2SEQ:
+            raise ConfigError("the sample task is seq2seq (numbers to words): use a T5 model, or --data FILE.jsonl "
+                              "with a 'text' field for a causal LM")
+        return str(SAMPLE_EVAL if split == "eval" else SAMPLE_TRAIN), ("source", "target")
+    if split == "eval":
+        return None
+    return settings.data, user_fields
+
+
+@dataclass
+class Rows:
+    """A source's rows, opened and checked (memory-mapped, not read), and the fields a run takes from them."""
+
+    table: Any  # datasets.Dataset
+    fields: tuple[str, ...]
+    source: str
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            part = self.table[i]
+            return [dict(zip(part, values)) for values in zip(*part.values())]
+        return self.table[int(i)]
+
+
+def open_data(settings: DataSettings, task: str, *, split: str = "train") -> Rows | None:
+    """Open the train (or eval) source and check its fields, before any weights load; None where data_file
+    has none. Causal rows with a `messages` list and no text field are chat conversations."""
+    found = data_file(settings, task, split=split)
+    if found is None:
+        return None
+    spec, fields = found
+    user_eval = split == "eval" and bool(settings.eval_data)
+    flag = "--eval-data" if user_eval else "--data"
+    table = open_rows(spec, flag=flag, split=(settings.eval_split if user_eval else settings.data_split),
+                      config_name=settings.data_config, text_fields=fields, use_cache=settings.cache,
+                      verbose=settings.verbose)
+    if task == CAUSAL and not settings.prompt_field and settings.text_field not in table.column_names \
+            and MESSAGES_FIELD in table.column_names:
+        fields = ChatFields((MESSAGES_FIELD,))
+        check_chat(table, spec)
+    else:
+        check_fields(table, fields, flag=flag, name=spec, flag_of=_field_flags(fields))
+    return Rows(table, fields, spec)

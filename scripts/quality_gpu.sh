@@ -6,19 +6,19 @@
 # passed this check) and --pipelined-update (RUNS="deepspeed pipelined delayed" adds --delayed-update after
 # 20 plain steps; the first is the reference). The runs share the GPU and the
 # host at once (speed is not measured here; each gets an equal share of the cores), then
-# scripts/quality_table.py compares the curves. Run from the repo root on the GPU machine (after the
-# .whl prelude); writes each run's log and metrics.jsonl under $1.
-# Each run is killed after LIMIT seconds (default 560, under the device tool's 600 s a call) so that what it
+# scripts/quality_table.py compares the curves. Run from the repo root on a CUDA
+# machine; writes each run's log and metrics.jsonl under $1.
+# Each run is killed after LIMIT seconds (default 560, under a 600 s limit on one command) so that what it
 # logged still comes back; its metrics.jsonl is written as it goes, so a cut run still gives a partial curve.
 # SIGKILL, not SIGTERM: on SIGTERM fitone writes a resumable checkpoint first (~20 s for t5-large), which
 # this throwaway run does not need and the call's time cannot spare.
 # On the H200 three runs at once took 1.57 (deepspeed), 1.15 (pipelined), 0.96 (delayed) s a step: the
-# reference then needs ~600 s for 300 steps, more than a call; hence two runs by default. Two at once:
+# reference then needs ~600 s for 300 steps, more than that limit; hence two runs by default. Two at once:
 # 1.43 and 1.11 s a step, and the reference needs ~560 s with its start, save and held-out score (on a
 # fresh machine add ~90 s for the CPU Adam build): give it LIMIT=560 on a warm machine, or run it alone.
-# Dry run of the mechanics on a CPU: MODEL=t5-tiny PRECISION=fp32 EXTRA="--device cpu" scripts/gpu_quality.sh /tmp/q 40
+# Dry run of the mechanics on a CPU: MODEL=t5-tiny PRECISION=fp32 EXTRA="--device cpu" scripts/quality_gpu.sh /tmp/q 40
 set -uo pipefail
-out=${1:?usage: gpu_quality.sh OUT_DIR [STEPS]}
+out=${1:?usage: quality_gpu.sh OUT_DIR [STEPS]}
 steps=${2:-300}
 model=${MODEL:-t5-large}
 precision=${PRECISION:-fp16}
@@ -30,7 +30,7 @@ threads=$(( $(nproc) / ${#runs[@]} > 0 ? $(nproc) / ${#runs[@]} : 1 ))
 common="--model $model --from-scratch --data sample --src-len 8 --tgt-len 48 --batch-size 32 --lr 3e-4 --lr-schedule linear --warmup-steps 30 --max-steps $steps --precision $precision $extra --eval-examples 200 --log-every 1 --no-progress --seed 0"
 declare -A flags=([deepspeed]="--no-pipelined-update" [pipelined]="--pipelined-update" [delayed]="--delayed-update")
 for run in "${runs[@]}"; do
-  [[ -v flags[$run] ]] || { echo "gpu_quality.sh: unknown run '$run' in RUNS: choose from ${!flags[*]}" >&2; exit 2; }
+  [[ -v flags[$run] ]] || { echo "quality_gpu.sh: unknown run '$run' in RUNS: choose from ${!flags[*]}" >&2; exit 2; }
 done
 for run in "${runs[@]}"; do
   cmd="python3 -m fitone train $common ${flags[$run]} --out /tmp/quality-$run --overwrite"

@@ -2,7 +2,7 @@
 phase it was in), tokens/s, the host bytes per parameter fitone's optimizer holds. Prints one JSON line
 (`BENCH7B {...}`) and writes it to $OUT/bench7b-<tag>.json.
 
-    python scripts/bench_7b.py TAG -- train --recipe llama-7b/24gb model=llama-7b from_scratch=true \
+    python scripts/bench_train.py TAG -- train --recipe llama-7b/24gb model=llama-7b from_scratch=true \
         data=synthetic max_steps=21 save_every=20 out=/tmp/run --overwrite
 
 Everything after `--` is fitone's command line, run in this process (fitone.cli.dispatch). `--loss chunked`
@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from fitone.units import GIB
+from _harness import GIB  # and the checkout first on the path
 
 
 def main(argv: list[str]) -> int:
@@ -35,8 +35,9 @@ def main(argv: list[str]) -> int:
 
         assert argv[argv.index("--loss") + 1] == "chunked"
         fitone_loss.liger_available = lambda: False
-    from fitone import engine as fitone_engine
     import importlib
+
+    from fitone.zero2.timing import timed_engines
 
     fitone_train = importlib.import_module("fitone.train")  # the module, not fitone.train the function
     from fitone.cli import dispatch
@@ -52,15 +53,13 @@ def main(argv: list[str]) -> int:
             samples.append((time.time(), proc.memory_info().rss / GIB, phase[0]))
             stop.wait(0.2)
 
-    plain_init = fitone_engine.Engine.__init__
-
-    def init(self, *a, **k):
+    def init_starts() -> None:
         phase[0] = "engine init"
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        plain_init(self, *a, **k)
-        record["init_s"] = round(time.perf_counter() - t0, 1)
+
+    def init_done(self) -> None:  # the Engine's own hook (fitone.zero2.timing), without its phase timer
+        record["init_s"] = round(self.init_s, 1)
         if torch.cuda.is_available():
             record["peak_gpu_init_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 3)
             record["gpu_after_init_gib"] = round(torch.cuda.memory_allocated() / GIB, 3)
@@ -93,13 +92,13 @@ def main(argv: list[str]) -> int:
             return None
         return plain_export(self, *a, **k)
 
-    fitone_engine.Engine.__init__ = init
     fitone_train.Trainer._save, fitone_train.Trainer._export = save, export
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     t0 = time.perf_counter()
     try:
-        record["exit"] = dispatch(fitone_args)
+        with timed_engines(phases=False, on_start=init_starts, on_built=init_done):
+            record["exit"] = dispatch(fitone_args)
     except BaseException as exc:  # noqa: BLE001 - the record says what happened
         record["exit"] = repr(exc)[:500]
     record["wall_s"] = round(time.perf_counter() - t0, 1)
@@ -107,35 +106,46 @@ def main(argv: list[str]) -> int:
     sampler.join()
     if torch.cuda.is_available():
         record["peak_gpu_steps_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 3)
-    by_phase: dict[str, float] = {}
-    for _, rss, ph in samples:
-        by_phase[ph] = max(by_phase.get(ph, 0.0), rss)
-    record["peak_host_gib_by_phase"] = {k: round(v, 2) for k, v in by_phase.items()}
-    record["peak_host_gib_before_export"] = round(max((r for _, r, ph in samples if ph != "export"), default=0), 2)
-    params = record.get("params")
-    if params:
-        record["host_bytes_per_param_before_export"] = round(record["peak_host_gib_before_export"] * GIB / params, 2)
-    out = next((a.split("=", 1)[1] for a in fitone_args if a.startswith("out=")), None)
-    if "--out" in fitone_args:
-        out = fitone_args[fitone_args.index("--out") + 1]
-    if out and (Path(out) / "metrics.jsonl").exists():
-        rows = [json.loads(x) for x in (Path(out) / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
-        record["steps"] = len(rows)
-        record["loss_first_last"] = [rows[0].get("loss"), rows[-1].get("loss")] if rows else None
-        timed = [r["step_s"] for r in rows[3:] if r.get("step_s")]
-        if timed:
-            timed.sort()
-            record["median_step_s"] = timed[len(timed) // 2]
-            record["samples_per_s_median"] = [r.get("samples_per_s") for r in rows[3:]][len(timed) // 2]
-            if record.get("seq_len"):  # synthetic rows are full --seq-len rows
-                record["tokens_per_s"] = round(len(timed) * record["seq_len"] * record["micro_batch"]
-                                               * record["grad_accum"] / sum(timed), 1)
+    record.update(host_fields(samples, record.get("params")))
+    record.update(metrics_fields(fitone_args, record))
     record["peak_gpu_gib"] = max(record.get("peak_gpu_init_gib", 0), record.get("peak_gpu_steps_gib", 0))
     record["peak_host_gib"] = max(record["peak_host_gib_by_phase"].values(), default=None)
     print("BENCH7B " + json.dumps(record), flush=True)
     dest = Path(os.environ.get("OUT", ".")) / f"bench7b-{tag}.json"
     dest.write_text(json.dumps(record, indent=1))
     return 0
+
+
+def host_fields(samples: list[tuple[float, float, str]], params: int | None) -> dict:
+    """Peak host RSS by phase, before the export, and per parameter, from the 0.2 s samples."""
+    by_phase: dict[str, float] = {}
+    for _, rss, ph in samples:
+        by_phase[ph] = max(by_phase.get(ph, 0.0), rss)
+    out: dict = {"peak_host_gib_by_phase": {k: round(v, 2) for k, v in by_phase.items()},
+                 "peak_host_gib_before_export": round(max((r for _, r, ph in samples if ph != "export"), default=0),
+                                                      2)}
+    if params:
+        out["host_bytes_per_param_before_export"] = round(out["peak_host_gib_before_export"] * GIB / params, 2)
+    return out
+
+
+def metrics_fields(fitone_args: list[str], record: dict) -> dict:
+    """Steps, losses and the median step from the run's metrics.jsonl (after its first 3 steps)."""
+    out_dir = next((a.split("=", 1)[1] for a in fitone_args if a.startswith("out=")), None)
+    if "--out" in fitone_args:
+        out_dir = fitone_args[fitone_args.index("--out") + 1]
+    if not out_dir or not (Path(out_dir) / "metrics.jsonl").exists():
+        return {}
+    rows = [json.loads(x) for x in (Path(out_dir) / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    out: dict = {"steps": len(rows), "loss_first_last": [rows[0].get("loss"), rows[-1].get("loss")] if rows else None}
+    timed = sorted(r["step_s"] for r in rows[3:] if r.get("step_s"))
+    if timed:
+        out["median_step_s"] = timed[len(timed) // 2]
+        out["samples_per_s_median"] = [r.get("samples_per_s") for r in rows[3:]][len(timed) // 2]
+        if record.get("seq_len"):  # synthetic rows are full --seq-len rows
+            out["tokens_per_s"] = round(len(timed) * record["seq_len"] * record["micro_batch"]
+                                        * record["grad_accum"] / sum(timed), 1)
+    return out
 
 
 if __name__ == "__main__":
