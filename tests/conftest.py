@@ -216,7 +216,7 @@ SLOW: dict[str, tuple[str, ...]] = {
     "test_checkpoint.py": ("test_sigkill_during_a_save_keeps_the_last_complete_checkpoint_and_resume_uses_it",),
     "test_cli.py": ("test_bad_input_through_a_real_process",
                     "test_import_fitone_is_light_and_the_api_loads_on_first_use"),
-    "test_data_formats.py": ("test_a_200k_row_parquet_trains_without_being_read_into_memory",),
+    "test_sources.py": ("test_a_200k_row_parquet_trains_without_being_read_into_memory",),
     "test_distributed.py": ("*",),  # torchrun children, each test and the fixture over 60 s
     "test_extensions.py": ("test_fitone_train_after_an_interrupted_build_clears_the_lock_and_says_what_it_builds",),
     "test_faults.py": ("test_sigterm_checkpoints_says_how_to_resume_and_resume_continues",),
@@ -233,7 +233,7 @@ SLOW: dict[str, tuple[str, ...]] = {
     "test_run_recipes.py": ("test_the_dry_run_trains_each_recipe_in_a_child_and_records_it",),
     "test_runtime.py": ("test_a_run_destroys_the_process_group_it_made_and_keeps_its_caller_s",
                         "test_a_taken_master_port_from_the_user_is_one_line_from_the_cli"),
-    "test_zero2.py": ("test_a_checkpoint_resumes_across_the_one_group_and_the_grouped_layouts",
+    "test_layout.py": ("test_a_checkpoint_resumes_across_the_one_group_and_the_grouped_layouts",
                       "test_the_pipelined_update_on_the_lean_layout_follows_deepspeeds_step_with_accumulation",
                       "test_the_lean_layout_trains_bit_for_bit_as_deepspeeds_layout"),
 }

@@ -21,7 +21,7 @@ import pytest
 
 from conftest import child_env, run_child
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "bench_tools.py"
 sys.path.insert(0, str(ROOT / "scripts"))  # the scripts import their shared helpers (_harness, ...)
 
