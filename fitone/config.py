@@ -146,10 +146,6 @@ class TrainConfig:
         return GuardSettings.of(self)
 
     # -- derived values -----------------------------------------------------------------------
-    @property
-    def max_gpu_memory_bytes(self) -> int | None:
-        return parse_size(self.max_gpu_memory, "--max-gpu-memory")
-
     def accumulation(self, micro_batch: int, world_size: int = 1) -> int:
         """Gradient-accumulation steps: given, or derived from --global-batch."""
         if self.global_batch is None:

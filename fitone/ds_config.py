@@ -1,5 +1,5 @@
-"""TrainConfig -> DeepSpeed config dict. A pure function, tested by value for each option; it decides nothing
-(which optimizer step runs is fitone.zero2.step_mode's).
+"""A run's decisions -> DeepSpeed config dict. Pure functions, tested by value for each option; they decide
+nothing (the precision and device are fitone.run's, which optimizer step runs is fitone.zero2.step_mode's).
 
 The defaults follow the source blog's one-GPU recipe for t5-3b (ZeRO-2, optimizer on CPU, 2e8
 buckets, contiguous gradients, overlap_comm on a GPU); `--ds-config FILE` is merged on top, with
@@ -11,10 +11,14 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fitone.config import TrainConfig, check_keys, resolve_precision
+from fitone.config import TrainConfig, check_keys
 from fitone.errors import ConfigError
+from fitone.zero2 import zero_config_keys
+
+if TYPE_CHECKING:
+    from fitone.run import Run
 
 BUCKET_SIZE = int(2e8)  # elements; overlap_comm holds ~4.5x this in extra buffers (DeepSpeed docs)
 
@@ -40,20 +44,11 @@ def loss_scale_section() -> dict[str, Any]:
             "hysteresis": 2, "min_loss_scale": 1}
 
 
-def build_ds_config(
-    cfg: TrainConfig,
-    *,
-    micro_batch: int,
-    world_size: int = 1,
-    total_steps: int | None = None,
-    on_gpu: bool = True,
-) -> dict[str, Any]:
-    """The DeepSpeed config for one run, with the user's --ds-config merged over it."""
-    accum = cfg.accumulation(micro_batch, world_size)
+def sections(cfg: TrainConfig, *, precision: str, on_gpu: bool, user: dict[str, Any] | None) -> dict[str, Any]:
+    """The DeepSpeed config less what depends on the batch and the run's length, the user's --ds-config
+    (`user`, read by read_user_config) merged over it: composed once per run (fitone.run), read by the step
+    mode and the plan, and completed per engine by build_ds_config."""
     ds: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": micro_batch,
-        "gradient_accumulation_steps": accum,
-        "train_batch_size": micro_batch * accum * world_size,
         "gradient_clipping": cfg.grad_clip,
         "steps_per_print": 10**9,  # fitone logs itself; DeepSpeed's own lines only with --verbose
         "wall_clock_breakdown": False,
@@ -74,19 +69,28 @@ def build_ds_config(
     if cfg.offload == "cpu":
         # pinned host buffers speed up transfers on a GPU; on a CPU-only machine there is nothing to pin for
         ds["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
-    precision = resolve_precision(cfg.precision, on_gpu)
     if precision == "fp16":
         ds["fp16"] = loss_scale_section()
     elif precision == "bf16":
         ds["bf16"] = {"enabled": True}
-    scheduler = lr_scheduler(cfg, total_steps)
-    if scheduler:
-        ds["scheduler"] = scheduler
-    if cfg.ds_config:
-        ds = merge(ds, read_user_config(cfg.ds_config))
+    if user:
+        ds = merge(ds, user)
     if cfg.offload == "none":
         use_torch_adamw(ds, fused=on_gpu)
     return ds
+
+
+def build_ds_config(run: Run) -> dict[str, Any]:
+    """The DeepSpeed config of one engine: the run's sections with its batch sizes and schedule (a value the
+    user's --ds-config sets wins, as everywhere)."""
+    micro, accum = run.micro_batch, run.accumulation
+    assert micro is not None and accum is not None, "an engine is built at a known micro-batch (Run.with_batch)"
+    ds: dict[str, Any] = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum,
+                          "train_batch_size": micro * accum * run.world_size}
+    scheduler = lr_scheduler(run.settings, run.total_steps)
+    if scheduler:
+        ds["scheduler"] = scheduler
+    return merge(ds, run.ds_sections)
 
 
 def use_torch_adamw(ds: dict[str, Any], *, fused: bool) -> None:
@@ -132,8 +136,6 @@ def read_user_config(path: str) -> dict[str, Any]:
     check_keys(values, KNOWN_TOP_LEVEL, f"--ds-config {path}")
     zero = values.get("zero_optimization")
     if isinstance(zero, dict):
-        from fitone.zero2 import zero_config_keys
-
         check_keys(zero, zero_config_keys(), f"zero_optimization of --ds-config {path}")
         if zero.get("stage", 2) != 2:
             raise ConfigError(f"--ds-config {path} sets ZeRO stage {zero['stage']}; fitone runs stage 2: "

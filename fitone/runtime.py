@@ -1,9 +1,9 @@
 """The process's runtime, set up once per run: device, distributed env, CPU threads, log levels, GPU cap.
 
-`build_runtime(cfg)` resolves the device and reads (or, without a launcher, fills in) the distributed env;
-it is cheap, so the checks that need the world size run before anything heavy. `Runtime.start()` does the
-rest once: DeepSpeed's version check, quiet logs, the process group and the GPU cap. Training builds one
-Runtime and hands it to the probe; a standalone probe builds its own.
+`resolve_device(cfg)` and `ensure_dist_env()` are what fitone.run's `resolve` asks of this machine; they are
+cheap, so the checks that need the world size run before anything heavy. `Runtime.start()` does the rest
+once: DeepSpeed's version check, quiet logs, the process group and the GPU cap. Training builds one Runtime
+(`Run.runtime()`) and hands it to the probe; a standalone probe builds its own.
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ from typing import Iterator
 import torch
 
 from fitone import extensions, memory
-from fitone.config import TrainConfig, resolve_precision
+from fitone.config import TrainConfig
 from fitone.errors import DeviceError
-from fitone.units import parse_size
 
 
 @dataclass(frozen=True)
@@ -77,18 +76,12 @@ def share_cpu_threads() -> str:
 
 
 def resolve_device(cfg: TrainConfig) -> str:
-    """'cuda' or 'cpu', failing early on combinations DeepSpeed would reject later with a traceback.
-
-    Also fills in an 'auto' precision for that device (cfg is changed in place), with a note on the CPU."""
+    """'cuda' or 'cpu', failing early on combinations DeepSpeed would reject later with a traceback. An 'auto'
+    precision is not checked here: fitone.run resolves it for the device this returns."""
     has_cuda = memory.cuda_ready()
     device = cfg.device if cfg.device != "auto" else ("cuda" if has_cuda else "cpu")
     if device == "cuda" and not has_cuda:
         raise DeviceError("--device cuda but no CUDA GPU is visible: use --device cpu (slow) or check the driver")
-    if cfg.precision == "auto":
-        cfg.precision = resolve_precision("auto", on_gpu=device == "cuda")
-        if device == "cpu" and int(os.environ.get("RANK", "0")) == 0:
-            print("fitone: no GPU: training in fp32 on the CPU (fp16 needs a CUDA GPU; --precision bf16 is "
-                  "faster on CPUs with bf16 instructions)", flush=True)
     if device == "cpu":
         if cfg.precision == "fp16":
             raise DeviceError("fp16 needs a CUDA GPU (DeepSpeed's CPU accelerator refuses it): "
@@ -101,14 +94,14 @@ def resolve_device(cfg: TrainConfig) -> str:
     return device
 
 
-def apply_gpu_cap(max_gpu_memory: str | None) -> None:
-    cap = parse_size(max_gpu_memory, "--max-gpu-memory")
-    if cap is None:
+def apply_gpu_cap(cap_bytes: int | None, given: str | None) -> None:
+    """Cap the CUDA allocator at `cap_bytes` (`given`: the flag's text, for the error)."""
+    if cap_bytes is None:
         return
     try:
-        memory.cap_gpu_memory(cap)
+        memory.cap_gpu_memory(cap_bytes)
     except ValueError as exc:
-        raise DeviceError(f"--max-gpu-memory {max_gpu_memory}: {exc}; give a smaller cap") from exc
+        raise DeviceError(f"--max-gpu-memory {given}: {exc}; give a smaller cap") from exc
 
 
 _VERBOSE = False
@@ -212,17 +205,12 @@ def init_distributed(device: str) -> DistInfo:
     return info
 
 
-@dataclass
-class Runtime:
-    """Where this run's engines live, and which rank of how many this process is."""
+class Placement:
+    """Where a run's engines live (`device`) and which rank of how many this process is (`dist`): the one
+    definition of 'runs on a GPU', for the Run that decides it and the Runtime that starts it."""
 
     device: str  # 'cuda' or 'cpu'
     dist: DistInfo
-    verbose: bool = False
-    expandable_segments: bool = True
-    max_gpu_memory: str | None = None
-    started: bool = False
-    owns_group: bool = False  # start() made the process group (not the caller's own init_process_group)
 
     @property
     def rank(self) -> int:
@@ -239,6 +227,20 @@ class Runtime:
     @property
     def on_gpu(self) -> bool:
         return self.device == "cuda"
+
+
+@dataclass
+class Runtime(Placement):
+    """The process's setup for a run's placement: started once, closed at the end."""
+
+    device: str  # 'cuda' or 'cpu'
+    dist: DistInfo
+    verbose: bool = False
+    expandable_segments: bool = True
+    cap_bytes: int | None = None  # the GPU cap start() applies (fitone.run parsed --max-gpu-memory)
+    max_gpu_memory: str | None = None  # as given, for its error
+    started: bool = False
+    owns_group: bool = False  # start() made the process group (not the caller's own init_process_group)
 
     def start(self) -> str:
         """What every engine needs first, for training and probing alike: quiet logs, the process group and
@@ -258,7 +260,7 @@ class Runtime:
             extensions.prepare_build("deepspeed_shm_comm")
         self.dist = init_distributed(self.device)
         if self.on_gpu:
-            apply_gpu_cap(self.max_gpu_memory)
+            apply_gpu_cap(self.cap_bytes, self.max_gpu_memory)
         self.started = True
         return note
 
@@ -296,17 +298,3 @@ class Runtime:
     def _torch_device(self) -> torch.device:
         # where DeepSpeed puts this rank's engine, and so where its collectives run
         return torch.device(f"cuda:{self.dist.local_rank}") if self.on_gpu else torch.device("cpu")
-
-
-def build_runtime(cfg: TrainConfig) -> Runtime:
-    """The device (an 'auto' precision filled in on cfg) and the distributed env; nothing heavy is started."""
-    device = resolve_device(cfg)
-    return Runtime(device=device, dist=ensure_dist_env(), verbose=cfg.verbose,
-                   expandable_segments=cfg.expandable_segments, max_gpu_memory=cfg.max_gpu_memory)
-
-
-def start_runtime(cfg: TrainConfig) -> Runtime:
-    """build_runtime and start it: for callers (tests, benchmarks) that build an engine directly."""
-    runtime = build_runtime(cfg)
-    runtime.start()
-    return runtime

@@ -20,10 +20,11 @@ def hf_trainer(job: dict[str, Any], size: int, max_steps: int, callbacks: list, 
     from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments
 
     from fitone.ds_config import build_ds_config
+    from fitone.run import resolve_planned
 
     model, config, params, _ = build_on_cpu(job, checkpointing=False)  # the Trainer switches it on
     cfg = train_config(job, size)
-    ds = build_ds_config(cfg, micro_batch=size, on_gpu=job["device"] == "cuda")
+    ds = build_ds_config(resolve_planned(cfg, 1).with_batch(size))
     ds.update(train_micro_batch_size_per_gpu="auto", train_batch_size="auto", gradient_accumulation_steps="auto")
     names = {f.name for f in dataclasses.fields(Seq2SeqTrainingArguments)}
     ckpt = "activation_checkpointing" if "activation_checkpointing" in names else "gradient_checkpointing"

@@ -33,8 +33,7 @@ def measure_fitone(job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     engine_init_peak_gpu_gib fitone's own count where its Engine exposes one (init_peak_gpu_bytes).
     """
     import fitone
-    from fitone.ds_config import build_ds_config
-    from fitone.zero2 import step_mode
+    from fitone.run import resolve_planned
     from fitone.zero2.timing import timed_engines
 
     (size,) = job["sizes"]
@@ -47,10 +46,7 @@ def measure_fitone(job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     accum = job.get("grad_accum", 1)
     if accum > 1:
         options["global_batch"] = size * accum
-    on_gpu = job["device"] == "cuda"
-    planned = train_config(job, size, **options)
-    mode = step_mode.for_config(planned, world_size=1, on_gpu=on_gpu,
-                                ds=build_ds_config(planned, micro_batch=size, on_gpu=on_gpu)).name
+    mode = resolve_planned(train_config(job, size, **options), 1).mode.name  # the step training will take
     extra = extra if mode == "deepspeed" else 0
     built: list[tuple[float, int | None]] = []  # per Engine: the GPU peak of building it, its own count
 
@@ -96,6 +92,7 @@ def measure_deepspeed(job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     import deepspeed
 
     from fitone.ds_config import build_ds_config
+    from fitone.run import resolve_planned
 
     sizes, sync = job["sizes"], syncer(job["device"])
     accum = job.get("grad_accum", 1)
@@ -103,7 +100,7 @@ def measure_deepspeed(job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     model, config, params, build_s = build_on_cpu(job)
     cap_memory(job)
     cfg = train_config(job, sizes[0], **({"global_batch": sizes[0] * accum} if accum > 1 else {}))
-    ds = build_ds_config(cfg, micro_batch=sizes[0], on_gpu=job["device"] == "cuda")
+    ds = build_ds_config(resolve_planned(cfg, 1).with_batch(sizes[0]))  # the job's device (train_config)
     trainable = [p for p in model.parameters() if p.requires_grad]
     groups = split_param_groups(trainable, job.get("ds_param_groups", 1))
     # one group: the flat list, exactly as before the option existed

@@ -50,15 +50,17 @@ def tiny_engine(precision: str = "fp32", model: str = "t5-tiny", *, grad_accum: 
 
     from fitone.ds_config import build_ds_config
     from fitone.engine import Engine
-    from fitone.runtime import start_runtime
+    from fitone.run import resolve_planned, start_runtime
     from fitone.models import build_model, load_config
     from fitone.zero2 import layout, overlap
 
     cfg = cpu_config(precision=precision, lr=1e-3, lr_schedule="constant", warmup_steps=0, grad_accum=grad_accum)
-    start_runtime(cfg)
+    run = start_runtime(cfg)
     torch.manual_seed(0)
     module = build_model(load_config(model, from_scratch=True))
-    ds = build_ds_config(cfg, micro_batch=4, world_size=1, total_steps=100, on_gpu=gpu_ds_config)
+    if gpu_ds_config:  # as planned for a GPU (the engine itself runs on the CPU)
+        run = resolve_planned(cfg.replace(device="auto"), 1)
+    ds = build_ds_config(run.with_batch(4).with_steps(100))
     chunked = lean or bool(pipelined and chunk)
     if chunked:
         ds = layout.lean_offload_config(ds)

@@ -6,12 +6,20 @@ import pytest
 
 from fitone.config import TrainConfig
 from fitone.ds_config import BUCKET_SIZE, build_ds_config
-from fitone.zero2 import step_mode
 from fitone.errors import ConfigError
+from fitone.run import resolve_planned
+
+
+def ds_for(cfg: TrainConfig, *, micro_batch: int, world_size: int = 1, total_steps: int | None = None,
+           on_gpu: bool = True) -> dict:
+    """The DeepSpeed config of the tiny T5 with these settings, as planned for a GPU (or the CPU)."""
+    cfg = cfg.replace(model="t5-tiny", from_scratch=True, device="auto" if on_gpu else "cpu")
+    run = resolve_planned(cfg, world_size).with_batch(micro_batch)
+    return build_ds_config(run if total_steps is None else run.with_steps(total_steps))
 
 
 def test_default_is_the_blogs_zero2_offload_fp16_recipe():
-    ds = build_ds_config(TrainConfig(lr=3e-5), micro_batch=20)
+    ds = ds_for(TrainConfig(lr=3e-5), micro_batch=20)
     assert ds["train_micro_batch_size_per_gpu"] == 20
     assert ds["gradient_accumulation_steps"] == 1 and ds["train_batch_size"] == 20
     zero = ds["zero_optimization"]
@@ -29,31 +37,31 @@ def test_default_is_the_blogs_zero2_offload_fp16_recipe():
 
 
 def test_precisions():
-    assert build_ds_config(TrainConfig(precision="bf16"), micro_batch=1)["bf16"] == {"enabled": True}
-    fp32 = build_ds_config(TrainConfig(precision="fp32"), micro_batch=1)
+    assert ds_for(TrainConfig(precision="bf16"), micro_batch=1)["bf16"] == {"enabled": True}
+    fp32 = ds_for(TrainConfig(precision="fp32"), micro_batch=1)
     assert "fp16" not in fp32 and "bf16" not in fp32
 
 
 def test_offload_none_and_cpu_machine():
-    assert "offload_optimizer" not in build_ds_config(TrainConfig(offload="none"), micro_batch=1)["zero_optimization"]
-    cpu = build_ds_config(TrainConfig(precision="fp32"), micro_batch=1, on_gpu=False)["zero_optimization"]
+    assert "offload_optimizer" not in ds_for(TrainConfig(offload="none"), micro_batch=1)["zero_optimization"]
+    cpu = ds_for(TrainConfig(precision="fp32"), micro_batch=1, on_gpu=False)["zero_optimization"]
     assert cpu["offload_optimizer"]["pin_memory"] is False and cpu["overlap_comm"] is False
 
 
 def test_accumulation_and_world_size():
-    ds = build_ds_config(TrainConfig(global_batch=128), micro_batch=16, world_size=2)
+    ds = ds_for(TrainConfig(global_batch=128), micro_batch=16, world_size=2)
     assert ds["gradient_accumulation_steps"] == 4 and ds["train_batch_size"] == 128
-    ds = build_ds_config(TrainConfig(grad_accum=3), micro_batch=5)
+    ds = ds_for(TrainConfig(grad_accum=3), micro_batch=5)
     assert ds["gradient_accumulation_steps"] == 3 and ds["train_batch_size"] == 15
 
 
 def test_schedules():
-    warm = build_ds_config(TrainConfig(warmup_steps=10, lr=1e-3), micro_batch=1)["scheduler"]
+    warm = ds_for(TrainConfig(warmup_steps=10, lr=1e-3), micro_batch=1)["scheduler"]
     assert warm == {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3,
                                                   "warmup_num_steps": 10, "warmup_type": "linear"}}
-    lin = build_ds_config(TrainConfig(lr_schedule="linear", warmup_steps=10), micro_batch=1, total_steps=500)
+    lin = ds_for(TrainConfig(lr_schedule="linear", warmup_steps=10), micro_batch=1, total_steps=500)
     assert lin["scheduler"]["type"] == "WarmupDecayLR" and lin["scheduler"]["params"]["total_num_steps"] == 500
-    cos = build_ds_config(TrainConfig(lr_schedule="cosine", warmup_steps=10), micro_batch=1, total_steps=500)
+    cos = ds_for(TrainConfig(lr_schedule="cosine", warmup_steps=10), micro_batch=1, total_steps=500)
     assert cos["scheduler"] == {"type": "WarmupCosineLR", "params": {
         "total_num_steps": 500, "warmup_min_ratio": 0.0, "warmup_num_steps": 10, "cos_min_ratio": 0.0,
         "warmup_type": "linear"}}
@@ -66,7 +74,7 @@ def test_the_cosine_schedule_warms_up_then_follows_half_a_cosine_to_zero():
     import torch
     from deepspeed.runtime.lr_schedules import WarmupCosineLR
 
-    params = build_ds_config(TrainConfig(lr_schedule="cosine", warmup_steps=4, lr=1e-3), micro_batch=1,
+    params = ds_for(TrainConfig(lr_schedule="cosine", warmup_steps=4, lr=1e-3), micro_batch=1,
                              total_steps=24)["scheduler"]["params"]
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
     sched = WarmupCosineLR(opt, **params)
@@ -85,7 +93,7 @@ def test_the_cosine_schedule_warms_up_then_follows_half_a_cosine_to_zero():
 def test_user_file_merges_deeply(tmp_path):
     f = tmp_path / "ds.json"
     f.write_text(json.dumps({"zero_optimization": {"reduce_bucket_size": 5e7}, "gradient_clipping": 0.5}))
-    ds = build_ds_config(TrainConfig(ds_config=str(f)), micro_batch=2)
+    ds = ds_for(TrainConfig(ds_config=str(f)), micro_batch=2)
     assert ds["zero_optimization"]["reduce_bucket_size"] == 5e7
     assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"  # untouched keys stay
     assert ds["gradient_clipping"] == 0.5
@@ -100,14 +108,13 @@ def test_user_file_errors(tmp_path, content, fragment):
     f = tmp_path / "ds.json"
     f.write_text(content)
     with pytest.raises(ConfigError, match=fragment):
-        build_ds_config(TrainConfig(ds_config=str(f)), micro_batch=2)
+        ds_for(TrainConfig(ds_config=str(f)), micro_batch=2)
 
 
 # -- which optimizer step a run takes ----------------------------------------------------------------
 def _mode(world_size: int = 1, on_gpu: bool = True, **options) -> str:
-    cfg = TrainConfig(model="t5-tiny", **options)
-    return step_mode.for_config(cfg, world_size=world_size, on_gpu=on_gpu,
-                                ds=build_ds_config(cfg, micro_batch=2, world_size=world_size, on_gpu=on_gpu)).name
+    cfg = TrainConfig(model="t5-tiny", from_scratch=True, device="auto" if on_gpu else "cpu", **options)
+    return resolve_planned(cfg, world_size).mode.name
 
 
 def test_the_pipelined_update_is_the_default_on_one_gpu_with_the_optimizer_on_the_cpu():

@@ -22,6 +22,7 @@ from conftest import REPO, child_env, cpu_config, run_main
 from fitone import memory
 from fitone.errors import MemoryBudgetError
 from fitone.plan import preflight
+from fitone.run import resolve_planned
 from fitone.units import GIB
 
 CI_RAM = 24 * GIB  # the CI machine of the issue: the big models' refusal must not depend on a bigger host
@@ -92,15 +93,15 @@ def test_weights_and_states_over_the_gpu_are_refused_at_micro_batch_one(monkeypa
                              seq_len=512)
     # without offload the optimizer states are on the GPU too: the plan's verdict at micro-batch 1 says no
     with pytest.raises(MemoryBudgetError) as info:
-        preflight(cfg, micro_batch=1)
+        preflight(resolve_planned(cfg, 1).with_batch(1))  # --device cuda on the faked GPU
     message = str(info.value)
     assert "\n" not in message and "even at micro-batch 1" in message and "--offload cpu" in message
     # a cap below the 16-bit weights (13.5 GiB): offloading cannot help, the message says what can
     capped = cfg.replace(offload="cpu", max_gpu_memory="8GiB")
     with pytest.raises(MemoryBudgetError, match="even at micro-batch 1.*a larger --max-gpu-memory"):
-        preflight(capped, micro_batch=64)  # whatever size was asked
+        preflight(resolve_planned(capped, 1).with_batch(64))  # whatever size was asked
     # under the card and with offload, it passes: the check is the plan's verdict, not a rule of thumb
-    assert preflight(cfg.replace(offload="cpu"), micro_batch=1).max_micro_batch > 0
+    assert preflight(resolve_planned(cfg.replace(offload="cpu"), 1).with_batch(1)).max_micro_batch > 0
 
 
 def test_an_engine_init_oom_is_one_line_naming_the_phase_and_verbose_shows_the_traceback(monkeypatch):

@@ -13,6 +13,7 @@ import pytest
 from conftest import child_env, fixed_batch, run_main
 from fitone.config import TrainConfig
 from fitone.ds_config import build_ds_config
+from fitone.run import resolve_planned
 
 NOISE = ("[WARNING]", "cannot find -laio", "collect2", "Retrying", "Writing model shards", "IProgress")
 
@@ -39,8 +40,8 @@ def test_deepspeeds_op_check_on_the_cpu_prints_no_linker_errors():
     writes to descriptor 2 (the kernel shows it in the cell). The child reproduces that."""
     run = _child("import sys; sys.stderr = sys.stdout\n"  # Python's stderr on descriptor 1, as Jupyter's is elsewhere
                  "from fitone.config import TrainConfig\n"
-                 "from fitone.runtime import start_runtime\n"
-                 "cfg = TrainConfig(model='t5-tiny', device='cpu', precision='fp32')\n"
+                 "from fitone.run import start_runtime\n"
+                 "cfg = TrainConfig(model='t5-tiny', from_scratch=True, device='cpu', precision='fp32')\n"
                  "start_runtime(cfg)\n"
                  "import deepspeed.ops; print('probed', len(deepspeed.ops.__compatible_ops__))\n")
     assert run.returncode == 0, run.stderr
@@ -87,28 +88,33 @@ def test_explicit_fp16_on_the_cpu_is_still_an_error():
 
 
 def test_auto_precision_is_fp16_on_a_gpu_and_fp32_on_the_cpu_in_the_deepspeed_config():
-    cfg = TrainConfig()
+    cfg = TrainConfig(model="t5-tiny", from_scratch=True)
     assert cfg.precision == "auto"
-    assert "fp16" in build_ds_config(cfg, micro_batch=1, on_gpu=True)
-    cpu = build_ds_config(cfg, micro_batch=1, on_gpu=False)
+    assert "fp16" in build_ds_config(resolve_planned(cfg, 1).with_batch(1))  # planned for a GPU
+    cpu = build_ds_config(resolve_planned(cfg.replace(device="cpu"), 1).with_batch(1))
     assert "fp16" not in cpu and "bf16" not in cpu
 
 
+def ds_at_one(cfg: TrainConfig) -> dict:
+    """The DeepSpeed config of the tiny T5 at micro-batch 1, as planned for a GPU (or --device cpu's)."""
+    return build_ds_config(resolve_planned(cfg.replace(model="t5-tiny", from_scratch=True), 1).with_batch(1))
+
+
 def test_offload_none_takes_torch_adamw_fused_on_a_gpu():
-    gpu = build_ds_config(TrainConfig(offload="none", lr=2e-4), micro_batch=1, on_gpu=True)["optimizer"]
+    gpu = ds_at_one(TrainConfig(offload="none", lr=2e-4))["optimizer"]
     assert gpu == {"type": "AdamW", "params": {"lr": 2e-4, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0,
                                                "torch_adam": True, "fused": True}}
-    cpu = build_ds_config(TrainConfig(offload="none"), micro_batch=1, on_gpu=False)["optimizer"]
+    cpu = ds_at_one(TrainConfig(offload="none", device="cpu", precision="fp32"))["optimizer"]
     assert cpu["params"]["torch_adam"] is True and cpu["params"]["fused"] is False
     # the offloaded optimizer stays DeepSpeedCPUAdam (the pipelined update runs it)
-    offloaded = build_ds_config(TrainConfig(offload="cpu"), micro_batch=1)["optimizer"]["params"]
+    offloaded = ds_at_one(TrainConfig(offload="cpu"))["optimizer"]["params"]
     assert "torch_adam" not in offloaded and "fused" not in offloaded
 
 
 def test_offload_none_keeps_another_optimizer_from_ds_config(tmp_path):
     path = tmp_path / "lamb.json"
     path.write_text('{"optimizer": {"type": "Lamb", "params": {"lr": 1e-3}}}')
-    ds = build_ds_config(TrainConfig(offload="none", ds_config=str(path)), micro_batch=1)
+    ds = ds_at_one(TrainConfig(offload="none", ds_config=str(path)))
     assert ds["optimizer"]["type"] == "Lamb" and "torch_adam" not in ds["optimizer"]["params"]
 
 
@@ -119,11 +125,11 @@ def test_offload_none_builds_no_deepspeed_op_and_trains(monkeypatch):
     from deepspeed.ops.op_builder.builder import OpBuilder
 
     from fitone.engine import Engine
-    from fitone.runtime import start_runtime
+    from fitone.run import start_runtime
     from fitone.models import build_model, load_config
 
     cfg = TrainConfig(model="t5-tiny", from_scratch=True, device="cpu", precision="fp32", offload="none", lr=1e-3)
-    start_runtime(cfg)
+    run = start_runtime(cfg)
     loaded = []
 
     def no_build(self, verbose=True):
@@ -134,7 +140,7 @@ def test_offload_none_builds_no_deepspeed_op_and_trains(monkeypatch):
     monkeypatch.setattr(OpBuilder, "jit_load", no_build)
     torch.manual_seed(0)
     engine = Engine(build_model(load_config("t5-tiny", from_scratch=True)),
-                    build_ds_config(cfg, micro_batch=4, total_steps=100, on_gpu=False))
+                    build_ds_config(run.with_batch(4).with_steps(100)))
     try:
         assert type(engine.ds.basic_optimizer) is torch.optim.AdamW
         losses = []

@@ -19,6 +19,7 @@ from fitone.cli.options import config_from_args
 from fitone.cli.train import TRAIN_FLAGS
 from fitone.config import TrainConfig
 from fitone.ds_config import build_ds_config
+from fitone.run import resolve_planned
 from fitone.errors import ConfigError
 from fitone.models import shipped_models
 from fitone.recipes import copy_recipe, list_recipes, load_recipe, parse_overrides, recipe_dir, recipe_names
@@ -40,7 +41,8 @@ def test_every_recipe_builds_a_valid_config_and_deepspeed_config(name):
     assert isinstance(cfg, TrainConfig) and cfg.recipe == name
     assert recipe.path.parent.name in shipped_models()  # so `model=<folder> from_scratch=true` reproduces it offline
     micro = cfg.batch_size if isinstance(cfg.batch_size, int) else 1
-    ds = build_ds_config(cfg, micro_batch=micro, on_gpu=cfg.device != "cpu")
+    shipped = cfg.replace(model=recipe.path.parent.name, from_scratch=True)  # the same architecture, offline
+    ds = build_ds_config(resolve_planned(shipped, 1).with_batch(micro))
     # the arithmetic the header comments: micro-batch x accumulation = samples per optimizer step
     assert ds["train_batch_size"] == micro * ds["gradient_accumulation_steps"]
     if cfg.global_batch:

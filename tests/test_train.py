@@ -308,7 +308,6 @@ def test_a_finished_training_lets_go_of_its_engine_even_while_the_engine_object_
 
     from fitone.engine import Engine
 
-    train_module = importlib.import_module("fitone.train")  # the module, not fitone.train the function
     held, parts = [], []
 
     class Held(Engine):
@@ -317,7 +316,7 @@ def test_a_finished_training_lets_go_of_its_engine_even_while_the_engine_object_
             held.append(self)
             parts.append([weakref.ref(x) for x in (self.ds, self.optimizer, self.optimizer.optimizer, self.ds.module)])
 
-    monkeypatch.setattr(train_module, "Engine", Held)
+    monkeypatch.setattr(importlib.import_module("fitone.build"), "Engine", Held)  # training's engine is built there
     first = fitone.train(cpu_config(max_steps=3))
     second = fitone.train(cpu_config(max_steps=3))
     assert first.losses == second.losses  # the second run in the process trains as the first did

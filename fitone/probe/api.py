@@ -2,6 +2,7 @@
 
 On a CPU nothing runs out of memory the way a GPU does, so there is no limit to search for: a probe there
 needs an explicit max_batch (the notebook's demonstration gives 8), which the plan's host RAM bounds too.
+The run's decisions (device, precision, step mode, cap) come resolved (fitone.run), from training or here.
 """
 
 from __future__ import annotations
@@ -14,16 +15,15 @@ import torch
 
 from fitone.config import TrainConfig
 from fitone.errors import ConfigError
-from fitone.models import CAUSAL, check_seq_len, load_config, require_model, task_of
+from fitone.models import CAUSAL, check_seq_len
 from fitone.packing import require_exact_packing
 from fitone.probe.cache import capped_key, probe_key, read_cached, save_cached
 from fitone.probe.results import ProbeResult
 from fitone.probe.search import check_arguments, search_batch_size
 from fitone.probe.trial import ProbeSession, Say
 from fitone.render import plot_probe
-from fitone.runtime import Runtime, build_runtime
-from fitone.zero2 import step_mode
-from fitone.zero2.step_mode import StepMode
+from fitone.run import Run, resolve
+from fitone.runtime import Runtime
 
 DEFAULT_MAX_BATCH = 4096  # on a GPU, where running out of memory ends the search well before it
 
@@ -40,9 +40,6 @@ def probe_batch(
     use_cache: bool = True,
     say: Say = print,
     on_model: Callable[[torch.nn.Module], None] | None = None,
-    runtime: Runtime | None = None,
-    config: Any = None,
-    mode: StepMode | None = None,
     **overrides: Any,
 ) -> ProbeResult:
     """The largest micro-batch that trains on this GPU, its margin-backed choice, and what each trial measured.
@@ -52,88 +49,88 @@ def probe_batch(
     result is always saved. `max_batch` defaults to 4096 on a GPU; on the CPU it must be given (see the
     module's docstring) and the plan's host RAM bounds it. `on_model` is called with the probe's model
     before the engine is built (tests use it to add hooks); its effect is saved like any result, so point
-    FITONE_CACHE_DIR elsewhere. `runtime`, `config` and `mode`: the started runtime, model config (its
-    lengths checked) and step mode of a training run that probes first; a standalone probe makes its own.
-    `wall_s` covers everything from the call: model build, engine init, the search and teardown.
+    FITONE_CACHE_DIR elsewhere. `wall_s` covers everything from the call: model build, engine init, the
+    search and teardown.
     """
     began = time.perf_counter()
     cfg = TrainConfig.with_overrides(cfg, overrides)
-    check_arguments(max_batch=DEFAULT_MAX_BATCH if max_batch is None else max_batch, max_trials=max_trials,
-                     margin=margin, start=1, verify_steps=verify_steps, trial_steps=1)
-    standalone = runtime is None
-    if standalone:
-        cfg.check_paths()  # once per run (training's own probe: training checked them)
-        require_model(cfg.model)
-        runtime = build_runtime(cfg)
+    search = dict(max_batch=max_batch, max_trials=max_trials, margin=margin, verify_steps=verify_steps)
+    check_arguments(**{**search, "max_batch": DEFAULT_MAX_BATCH if max_batch is None else max_batch}, start=1,
+                     trial_steps=1)
+    cfg.check_paths()  # once per run (training's own probe goes through probe_on: training checked them)
+    run = resolve(cfg)
+    runtime = run.runtime()
     try:
-        if config is None:
-            config = load_config(cfg.model, from_scratch=cfg.from_scratch)
-            check_seq_len(config, cfg.seq_len, cfg.model)
-            if cfg.pack and task_of(config) == CAUSAL:
-                require_exact_packing(config)
-        # a probe runs on one GPU: the step these settings take there
-        mode = (mode or step_mode.for_config(cfg, world_size=1, on_gpu=runtime.on_gpu)).on_one_gpu()
-        device = runtime.device
-        if cfg.preflight and standalone:  # the plan's refusals from the config alone (training has made them already)
+        check_seq_len(run.model_config, cfg.seq_len, cfg.model)
+        if cfg.pack and run.task == CAUSAL:
+            require_exact_packing(run.model_config)
+        if cfg.preflight:  # the plan's refusals from the config alone (training has made them already)
             from fitone.plan import preflight
 
-            preflight(cfg, micro_batch=1, world_size=1, config=config, mode=mode)
-        max_batch = _search_ceiling(cfg, device, max_batch, say, config, mode, for_training=not standalone)
-        if standalone:
-            runtime.start()
-            if runtime.world_size > 1:
-                raise ConfigError(f"probe-batch runs on one GPU, but this is rank {runtime.rank} of "
-                                  f"{runtime.world_size}: run `fitone probe-batch` without a launcher, then train "
-                                  "with --batch-size N")
-        key = probe_key(cfg, config, device, mode)
-        search = {"max_batch": max_batch, "max_trials": max_trials, "margin": margin, "verify_steps": verify_steps}
-        cached = (read_cached(key, search) or read_cached(capped_key(key), search)) if use_cache else None
-        if cached is not None:
-            capped = f", capped at max_batch={max_batch}" if cached.meta.get("capped") else ""
-            say(f"reusing the probe saved {cached.meta.get('date', '')} in {cached.meta['cache_file']} (same model "
-                f"config, precision, lengths, GPU and cap{capped}; --no-cache measures again)")
-            result = cached
-        else:
-            session = ProbeSession(cfg, config, device, mode=mode, say=say, on_model=on_model)
-            try:
-                result = search_batch_size(session.try_size, cap_bytes=session.cap_bytes, log=say, **search)
-                result.meta.update(session.meta())
-            finally:
-                session.close()
-            result.meta["gpu_allocated_after_close"] = torch.cuda.memory_allocated() if device == "cuda" else None
-            result.meta["search_s"] = result.wall_s
-            result.wall_s = time.perf_counter() - began
-            # no size ran out of memory: the search stopped at its cap, not at the card's limit
-            result.meta["capped"] = all(t.fits for t in result.trials)
-            result.meta["cache_file"] = str(save_cached(capped_key(key) if result.meta["capped"] else key, search,
-                                                        result))
-            use = (f"capped at max_batch={max_batch} without running out of memory, so --batch-size auto will not "
-                   "reuse it as the card's limit" if result.meta["capped"] else "for --batch-size auto")
-            say(f"probe done in {result.wall_s:.1f} s (engine init {result.meta['engine_init_s']:.1f} s); "
-                f"saved ({use}) in {result.meta['cache_file']}")
+            preflight(run)
+        result = probe_on(run, runtime, **search, use_cache=use_cache, say=say, on_model=on_model, began=began)
         if json_path is not None:
             say(f"wrote {result.save_json(json_path)}")
         if plot_path is not None:
             say(f"wrote {plot_probe(result, plot_path)}")
         return result
     finally:
-        if standalone:  # the process group it started (training closes its own)
-            runtime.close()
+        runtime.close()  # the process group it started (training closes its own)
 
 
-def batch_size_for_training(cfg: TrainConfig, runtime: Runtime, config: Any, mode: StepMode, say: Say = print) -> int:
+def probe_on(run: Run, runtime: Runtime, *, max_batch: int | None = None, max_trials: int = 16,
+             margin: float = 0.05, verify_steps: int = 3, use_cache: bool = True, say: Say = print,
+             on_model: Callable[[torch.nn.Module], None] | None = None, for_training: bool = False,
+             began: float) -> ProbeResult:
+    """The probe of `run` on `runtime` (started here, after the cheap refusals, unless training started it): a
+    saved result for these settings, else a new search, saved. `began`: when the caller's probe started;
+    `for_training`: the probe of `train --batch-size auto`, whose advice names train's flags."""
+    max_batch = _search_ceiling(run, max_batch, say, for_training)
+    runtime.start()
+    if runtime.world_size > 1:
+        raise ConfigError(f"probe-batch runs on one GPU, but this is rank {runtime.rank} of "
+                          f"{runtime.world_size}: run `fitone probe-batch` without a launcher, then train "
+                          "with --batch-size N")
+    key = probe_key(run)
+    search = {"max_batch": max_batch, "max_trials": max_trials, "margin": margin, "verify_steps": verify_steps}
+    cached = (read_cached(key, search) or read_cached(capped_key(key), search)) if use_cache else None
+    if cached is not None:
+        capped = f", capped at max_batch={max_batch}" if cached.meta.get("capped") else ""
+        say(f"reusing the probe saved {cached.meta.get('date', '')} in {cached.meta['cache_file']} (same model "
+            f"config, precision, lengths, GPU and cap{capped}; --no-cache measures again)")
+        return cached
+    session = ProbeSession(run, say=say, on_model=on_model)
+    try:
+        result = search_batch_size(session.try_size, cap_bytes=session.cap_bytes, log=say, **search)
+        result.meta.update(session.meta())
+    finally:
+        session.close()
+    result.meta["gpu_allocated_after_close"] = torch.cuda.memory_allocated() if run.on_gpu else None
+    result.meta["search_s"] = result.wall_s
+    result.wall_s = time.perf_counter() - began
+    # no size ran out of memory: the search stopped at its cap, not at the card's limit
+    result.meta["capped"] = all(t.fits for t in result.trials)
+    result.meta["cache_file"] = str(save_cached(capped_key(key) if result.meta["capped"] else key, search, result))
+    use = (f"capped at max_batch={max_batch} without running out of memory, so --batch-size auto will not "
+           "reuse it as the card's limit" if result.meta["capped"] else "for --batch-size auto")
+    say(f"probe done in {result.wall_s:.1f} s (engine init {result.meta['engine_init_s']:.1f} s); "
+        f"saved ({use}) in {result.meta['cache_file']}")
+    return result
+
+
+def batch_size_for_training(run: Run, runtime: Runtime, say: Say = print) -> int:
     """The micro-batch for `--batch-size auto`: a saved probe for these settings, else a new probe.
 
-    Runs before the training model loads, on training's started runtime, model config and step mode; the
-    probe's model and engine are freed before this returns. With --global-batch the micro-batch is the
-    largest size <= the probe's choice that divides it.
+    Runs before the training model loads, on training's resolved run and started runtime; the probe's model
+    and engine are freed before this returns. With --global-batch the micro-batch is the largest size <= the
+    probe's choice that divides it.
     """
-    world_size = runtime.world_size
+    cfg, world_size = run.settings, run.world_size
     # A ZeRO-2 rank holds the same 16-bit weights, buckets and activations as one GPU alone (measured:
     # 10.7 GiB peak at micro-batch 64 for t5-3b on one and on two H200s), so a one-GPU probe gives the
     # per-GPU micro-batch; ranks cannot probe together (an OOM on one rank hangs the others' collectives).
     # any search settings; never a capped one
-    result = read_cached(probe_key(cfg, config, runtime.device, mode), full_only=True)
+    result = read_cached(probe_key(run), full_only=True)
     if result is not None:
         say(f"--batch-size auto: reusing the probe saved {result.meta.get('date', '')} in "
             f"{result.meta['cache_file']}")
@@ -143,7 +140,8 @@ def batch_size_for_training(cfg: TrainConfig, runtime: Runtime, config: Any, mod
                           "--[no-]pipelined-update flag without a launcher first (or pass --batch-size N)")
     else:
         say("--batch-size auto: no saved probe for this model, precision, lengths, GPU and cap: probing first")
-        result = probe_batch(cfg, use_cache=False, say=say, runtime=runtime, config=config, mode=mode)
+        began = time.perf_counter()
+        result = probe_on(run, runtime, use_cache=False, say=say, for_training=True, began=began)
     how = f"largest fit {result.largest_fit}, {result.margin * 100:g}% margin"
     if cfg.global_batch is not None:
         micro, accum = result.for_global_batch(cfg.global_batch, world_size)
@@ -154,12 +152,11 @@ def batch_size_for_training(cfg: TrainConfig, runtime: Runtime, config: Any, mod
     return result.chosen
 
 
-def _search_ceiling(cfg: TrainConfig, device: str, max_batch: int | None, say: Say, config: Any,
-                    mode: StepMode, for_training: bool) -> int:
+def _search_ceiling(run: Run, max_batch: int | None, say: Say, for_training: bool) -> int:
     """The largest size the search may try. A GPU's search ends where memory runs out; on the CPU nothing
     does, so the caller must set the ceiling, and the plan's host RAM lowers it (beyond, the OOM killer).
     `for_training`: the probe of `train --batch-size auto`, whose advice names train's flags."""
-    if device == "cuda":
+    if run.on_gpu:
         return DEFAULT_MAX_BATCH if max_batch is None else max_batch
     if max_batch is None:
         fix = ("give --batch-size N instead of auto" if for_training else
@@ -168,10 +165,10 @@ def _search_ceiling(cfg: TrainConfig, device: str, max_batch: int | None, say: S
         raise ConfigError("on the CPU nothing runs out of memory the way a GPU does, so a search for the largest "
                           "micro-batch has no limit to find (it would only stop at 4096, after minutes of CPU "
                           f"steps): {fix}")
-    if cfg.preflight:
+    if run.settings.preflight:
         from fitone.plan import host_micro_batch_bound
 
-        bound = host_micro_batch_bound(cfg, config=config, mode=mode)
+        bound = host_micro_batch_bound(run)
         if 0 < bound < max_batch:
             say(f"on the CPU: the search stops at micro-batch {bound}, the largest the plan fits in host RAM "
                 f"(max_batch was {max_batch})")

@@ -20,11 +20,11 @@ import torch
 from fitone import loss as fused_loss
 from fitone import memory
 from fitone.config import TrainConfig
-from fitone.models import CAUSAL, task_of
+from fitone.models import CAUSAL
 from fitone.probe.results import ProbeResult
-from fitone.probe.trial import NAMED_SOURCES, probe_ds_config
+from fitone.probe.trial import NAMED_SOURCES
+from fitone.run import Run
 from fitone.zero2 import step_mode
-from fitone.zero2.step_mode import StepMode
 
 
 def cache_dir() -> Path:
@@ -33,9 +33,9 @@ def cache_dir() -> Path:
     return Path(root) / "probes"
 
 
-def probe_key(cfg: TrainConfig, config: Any, device: str, mode: StepMode | None = None) -> dict[str, Any]:
-    """Everything that decides how much memory a step takes (the weights' values do not). `mode`: the run's
-    step mode (decided here when not given); the key holds the one a one-GPU probe of it runs.
+def probe_key(run: Run) -> dict[str, Any]:
+    """Everything that decides how much memory a step takes (the weights' values do not), from the resolved
+    run; the key holds the step a one-GPU probe of it runs.
 
     Not in it, because a trial's memory does not depend on them: the seed, lr and schedule, the run's length,
     and the accumulation (a probe runs every step as an optimizer step; DeepSpeed's GPU buffer for
@@ -45,25 +45,25 @@ def probe_key(cfg: TrainConfig, config: Any, device: str, mode: StepMode | None 
     import fitone
     from fitone.zero2 import installed_version
 
+    cfg, config, device, precision = run.settings, run.model_config, run.device, run.precision
     values = {k: v for k, v in config.to_dict().items() if not k.startswith("_") and k != "transformers_version"}
-    lengths = ({"seq_len": cfg.seq_len} if task_of(config) == CAUSAL
+    lengths = ({"seq_len": cfg.seq_len} if run.task == CAUSAL
                else {"src_len": cfg.src_len, "tgt_len": cfg.tgt_len})
     key: dict[str, Any] = {
         "model_config": _digest(json.dumps(values, sort_keys=True, default=str)),
-        "precision": cfg.precision, "activation_checkpointing": cfg.activation_checkpointing,
+        "precision": precision, "activation_checkpointing": cfg.activation_checkpointing,
         "offload": cfg.offload, **lengths, "data": _data_key(cfg),
-        "fused_loss": fused_loss.fused_loss_backend(config, device=device, precision=cfg.precision)
+        "fused_loss": fused_loss.fused_loss_backend(config, device=device, precision=precision)
         if cfg.fused_loss else None,
         "ds_config": _digest(Path(cfg.ds_config).read_bytes()) if cfg.ds_config else None,
-        "device": device, "gpu": memory.gpu_name(), "max_gpu_memory_bytes": cfg.max_gpu_memory_bytes,
+        "device": device, "gpu": memory.gpu_name(), "max_gpu_memory_bytes": run.cap_bytes,
         # what the allocator runs with: a user's PYTORCH_CUDA_ALLOC_CONF overrides --[no-]expandable-segments
         "allocator": memory.allocator_settings(cfg.expandable_segments) if device == "cuda" else None,
         "world_size": 1, "fitone": fitone.__version__, "deepspeed": installed_version(),
         # the allocator and kernels (torch) and the models' code (transformers) decide activation memory too
         "torch": torch.__version__, "transformers": transformers.__version__,
     }
-    mode = mode or step_mode.for_config(cfg, world_size=1, on_gpu=device == "cuda", ds=probe_ds_config(cfg, device))
-    if mode.on_one_gpu().name == step_mode.PIPELINED:
+    if run.mode.on_one_gpu().name == step_mode.PIPELINED:
         key["pipelined_update"] = True  # its landing chunks take GPU memory (the delayed update's extra is on the host)
     return key
 

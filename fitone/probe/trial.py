@@ -18,16 +18,14 @@ import torch
 
 from fitone import loss as fused_loss
 from fitone import memory
-from fitone.config import TrainConfig
 from fitone.data import Dataset, load_dataset, worst_case_batch
 from fitone.ds_config import build_ds_config
 from fitone.engine import Engine
-from fitone.models import CAUSAL, enable_activation_checkpointing, load_tokenizer, task_of
+from fitone.models import CAUSAL, enable_activation_checkpointing, load_tokenizer
 from fitone.plan import unforeseen_oom
 from fitone.probe.results import TrialResult
 from fitone.random_init import build_random_model
-from fitone.zero2 import step_mode
-from fitone.zero2.step_mode import StepMode
+from fitone.run import Run
 from fitone.zero2.errors import is_gradient_computed_twice
 
 Say = Callable[[str], None]
@@ -45,16 +43,17 @@ class ProbeSession:
     An out-of-memory error becomes `TrialResult(fits=False, oom_phase=...)`; any other error propagates.
     """
 
-    def __init__(self, cfg: TrainConfig, config: Any, device: str, *, mode: StepMode | None = None, say: Say = print,
-                 on_model: Callable[[torch.nn.Module], None] | None = None):
-        """`mode`: the run's step mode (a probe runs it as on one GPU); decided here when not given."""
-        self.cfg, self.config, self.device, self.say, self.on_model = cfg, config, device, say, on_model
-        self.task = task_of(config)
-        self.cap_bytes = cfg.max_gpu_memory_bytes or memory.gpu_total_bytes()
+    def __init__(self, run: Run, *, say: Say = print, on_model: Callable[[torch.nn.Module], None] | None = None):
+        """`run`: the resolved run it probes, as on one GPU (Run.for_probe)."""
+        self.run = run = run.for_probe()
+        self.cfg, self.config, self.device = run.settings, run.model_config, run.device
+        self.say, self.on_model = say, on_model
+        cfg, config = self.cfg, self.config
+        self.task, self.precision = run.task, run.precision
+        self.cap_bytes = run.cap_bytes or memory.gpu_total_bytes()
         self.data, self.pad_id = self._worst_case_source()
-        self.ds_config = probe_ds_config(cfg, device)
-        self.mode = (mode or step_mode.for_config(cfg, world_size=1, on_gpu=device == "cuda",
-                                                  ds=self.ds_config)).on_one_gpu()  # training's, on one GPU
+        self.ds_config = probe_ds_config(run)
+        self.mode = run.mode  # training's, on one GPU
         self.update = self.mode.name
         self.rebuilds = 0
         self.skipped_steps = 0
@@ -74,7 +73,7 @@ class ProbeSession:
         where = f"the longest examples of {cfg.data}" if self.data is not None else \
             "full packed rows" if cfg.pack and self.task == CAUSAL else "every sequence at the maximum"
         say(f"worst-case batch: {where} ({lengths} each)")
-        if device != "cuda":
+        if not run.on_gpu:
             say("on the CPU: peak GPU memory is not measurable (recorded as None) and nothing runs out of "
                 "memory the way a GPU does; use a GPU for a real answer")
 
@@ -83,11 +82,11 @@ class ProbeSession:
         cfg = self.cfg
         start = time.perf_counter()
         with unforeseen_oom("model build", verbose=cfg.verbose):
-            self.model = build_random_model(self.config, self.device, DTYPES[cfg.precision], cfg.seed)
+            self.model = build_random_model(self.config, self.device, DTYPES[self.precision], cfg.seed)
         self.model.config.use_cache = False  # as in training (packed rows are only seen without a KV cache)
         if cfg.activation_checkpointing:
             enable_activation_checkpointing(self.model)
-        self.loss_backend = fused_loss.prepare(self.model, device=self.device, precision=cfg.precision,
+        self.loss_backend = fused_loss.prepare(self.model, device=self.device, precision=self.precision,
                                                enabled=cfg.fused_loss)
         if self.on_model is not None:
             self.on_model(self.model)
@@ -96,7 +95,7 @@ class ProbeSession:
         if self.engine is None:
             ckpt = "activation checkpointing" if cfg.activation_checkpointing else "no activation checkpointing"
             self.say(f"built {cfg.model} from its config with random weights ({self.n_params / 1e6:,.1f}M params, "
-                     f"{cfg.precision}, {ckpt}) in {self.build_s:.1f} s; starting the DeepSpeed ZeRO-2 engine "
+                     f"{self.precision}, {ckpt}) in {self.build_s:.1f} s; starting the DeepSpeed ZeRO-2 engine "
                      f"(optimizer on {'the CPU' if cfg.offload == 'cpu' else 'the GPU'})")
         torch.manual_seed(cfg.seed)  # dropout masks, as in training
         with unforeseen_oom("engine init", verbose=cfg.verbose):
@@ -209,7 +208,7 @@ class ProbeSession:
             "data": cfg.data, "pack": cfg.pack,
             "worst_case": "longest examples" if self.data is not None else
             "packed rows" if cfg.pack and self.task == CAUSAL else "maximum lengths",
-            "precision": cfg.precision, "activation_checkpointing": cfg.activation_checkpointing,
+            "precision": self.precision, "activation_checkpointing": cfg.activation_checkpointing,
             "fused_loss": self.loss_backend, "offload": cfg.offload, "update": self.update,
             "pipelined_update": cfg.pipelined_update,
             "ds_config": cfg.ds_config,
@@ -235,14 +234,13 @@ class ProbeSession:
         memory.free_memory()
 
 
-def probe_ds_config(cfg: TrainConfig, device: str) -> dict[str, Any]:
+def probe_ds_config(run: Run) -> dict[str, Any]:
     """Training's DeepSpeed config, with accumulation 1 so every step is an optimizer step.
 
     DeepSpeed fixes the micro-batch at init but takes any batch shape in forward, so one engine built
     for micro-batch 1 serves every size.
     """
-    ds = build_ds_config(cfg.replace(global_batch=None, grad_accum=None), micro_batch=1,
-                         on_gpu=device == "cuda")
+    ds = build_ds_config(run.for_probe())
     ds.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1, train_batch_size=1)
     if "fp16" in ds:
         ds["fp16"] = {**ds["fp16"], "initial_scale_power": PROBE_LOSS_SCALE_POWER}

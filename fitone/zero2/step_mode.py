@@ -1,8 +1,8 @@
 """Which optimizer step a run takes: DeepSpeed's own, the pipelined update or the delayed one (`overlap`).
 
-Decided once per run (`for_config`, from the settings, the world size and the device) and handed as a
-`StepMode` to the engine, the probe and the plan. Pipelined is the default where it is measured faster and
-trains the same (bench/NOTES.md): one GPU, DeepSpeedCPUAdam on the CPU.
+Decided once per run (`decide`, called by fitone.run's `resolve` with the run's DeepSpeed sections, world size
+and device) and handed as a `StepMode` to the engine, the probe and the plan. Pipelined is the default where it
+is measured faster and trains the same (bench/NOTES.md): one GPU, DeepSpeedCPUAdam on the CPU.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from fitone.config import TrainConfig
 from fitone.errors import ConfigError
 
 DEEPSPEED, PIPELINED, DELAYED = "deepspeed", "pipelined", "delayed"
@@ -80,14 +79,3 @@ def _sums_in_another_dtype(ds: dict[str, Any]) -> bool:
     summed = (ds.get("data_types") or {}).get("grad_accum_dtype")
     weights = next((p for p in ("bf16", "fp16") if (ds.get(p) or {}).get("enabled")), "fp32")
     return summed is not None and str(summed).lower() not in _DTYPE_NAMES[weights]
-
-
-def for_config(cfg: TrainConfig, *, world_size: int, on_gpu: bool, ds: dict[str, Any] | None = None) -> StepMode:
-    """decide() for a TrainConfig; `ds` is built from it when not given (the sections read do not depend on
-    the micro-batch, which may still be 'auto')."""
-    if ds is None:
-        from fitone.ds_config import build_ds_config
-
-        ds = build_ds_config(cfg, micro_batch=1, on_gpu=on_gpu)
-    return decide(ds, delayed_update=cfg.delayed_update, delayed_update_after=cfg.delayed_update_after,
-                  pipelined_update=cfg.pipelined_update, world_size=world_size, on_gpu=on_gpu)

@@ -44,17 +44,17 @@ def gpu_engine(precision: str, *, pipelined: bool, grad_accum: int = 1):
     a varying order) and differ only where their optimizer steps do. `grad_accum` micro-batches a step."""
     from fitone.ds_config import build_ds_config
     from fitone.engine import Engine
-    from fitone.runtime import start_runtime
+    from fitone.run import start_runtime
     from fitone.models import build_model, load_config
 
     cfg = gpu_settings(precision, grad_accum=grad_accum)
-    start_runtime(cfg)
+    run = start_runtime(cfg)
     config = load_config(MODEL, from_scratch=True)
     config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
     config._attn_implementation = "eager"
     torch.manual_seed(0)
     model = build_model(config)
-    ds = build_ds_config(cfg, micro_batch=MICRO_BATCH, world_size=1, total_steps=100, on_gpu=True)
+    ds = build_ds_config(run.with_batch(MICRO_BATCH).with_steps(100))  # on the lane's GPU
     return Engine(model, ds, pipelined=pipelined)
 
 

@@ -22,6 +22,7 @@ from fitone.config import TrainConfig
 from fitone.errors import MemoryBudgetError
 from fitone.models import SEQ2SEQ, build_model, load_config, load_model
 from fitone.plan import DOES_NOT_FIT, FITS_ON_GPU, FITS_WITH_OFFLOAD, plan, preflight
+from fitone.run import resolve, resolve_planned
 from fitone.units import GIB, count_text
 
 T5_3B = dict(model="t5-3b", from_scratch=True, src_len=128, tgt_len=128, precision="fp16")
@@ -112,7 +113,7 @@ def test_with_the_model_in_one_parameter_group_the_init_binds_and_llama_7b_does_
     monkeypatch.setattr(memory, "cuda_ready", lambda: False)  # no GPU here: the plan takes --max-gpu-memory alone
     monkeypatch.setattr(importlib.import_module("fitone.plan.estimate"), "_host_available", lambda _mem: 256 * GIB)
     with pytest.raises(MemoryBudgetError, match="at its engine init"):
-        preflight(cfg, micro_batch=8)
+        preflight(resolve_planned(cfg, 1).with_batch(8))  # --device cuda, as planned: no GPU here
 
 
 def test_tiny_model_counts_match_the_real_model_and_fp32_doubles_weights():
@@ -316,14 +317,15 @@ def test_preflight_raises_when_host_ram_is_too_small(monkeypatch):
     monkeypatch.setattr(memory, "host_available_bytes", lambda: 4 * GIB)
     monkeypatch.setattr(memory, "host_rss_bytes", lambda: 0)
     with pytest.raises(MemoryBudgetError) as err:
-        preflight(TrainConfig(**{**T5_3B, "precision": "bf16"}), micro_batch=8)
+        preflight(resolve(TrainConfig(**{**T5_3B, "precision": "bf16"})).with_batch(8))
     msg = str(err.value)
     assert "short" in msg and "more host RAM" in msg and err.value.exit_code == 2
 
 
 def test_preflight_passes_and_returns_the_plan(monkeypatch):
     monkeypatch.setattr(memory, "host_available_bytes", lambda: 16 * GIB)
-    p = preflight(TrainConfig(model="t5-tiny", from_scratch=True, precision="fp32", device="cpu"), micro_batch=4)
+    cfg = TrainConfig(model="t5-tiny", from_scratch=True, precision="fp32", device="cpu")
+    p = preflight(resolve(cfg).with_batch(4))
     assert p.micro_batch == 4 and p.host_total < 16 * GIB
 
 
@@ -349,12 +351,13 @@ def test_host_rss_of_a_real_offload_engine_matches_the_plan(monkeypatch):
     from fitone.ds_config import build_ds_config
 
     cfg = TrainConfig(model="t5-small", from_scratch=True, precision="fp32", device="cpu", src_len=32, tgt_len=32)
-    predicted = preflight(cfg, micro_batch=2)
+    run = resolve(cfg).with_batch(2)
+    predicted = preflight(run)
     torch.manual_seed(0)
     model = build_model(load_config("t5-small", from_scratch=True))
     before = _rss_after_trim()
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                      config=build_ds_config(cfg, micro_batch=2, on_gpu=False))
+                                      config=build_ds_config(run))
     try:
         ids = torch.randint(2, 1000, (2, 32))
         engine.backward(engine(input_ids=ids, labels=ids).loss)

@@ -9,6 +9,7 @@ backward leaves behind, the cache, the CLI and `fitone.train`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import gc
 import importlib
@@ -36,7 +37,8 @@ from fitone.probe.results import ProbeResult, TrialResult
 from fitone.probe.search import search_batch_size
 from fitone.probe.trial import ProbeSession
 from fitone.recipes import _recipe_values, save_to_recipe
-from fitone.runtime import start_runtime
+from fitone.models import task_of
+from fitone.run import resolve, resolve_planned, start_runtime
 
 SRC_LEN = TGT_LEN = 8
 # the CPU has no memory limit a search could find, so a probe there needs a ceiling; the faked OOMs come below it
@@ -45,6 +47,13 @@ CAP = 64
 
 def quiet(_line: str) -> None:
     pass
+
+
+def key_of(cfg, config, device: str) -> dict:
+    """The probe key of the run `cfg` resolves to on `device` (as planned: this machine has no GPU), with the
+    model config `config`."""
+    run = resolve_planned(cfg.replace(device=device), 1)
+    return probe_key(dataclasses.replace(run, model_config=config, task=task_of(config)))
 
 
 def probe_config(**overrides):
@@ -138,8 +147,8 @@ def test_with_the_pipelined_update_the_probe_trials_run_the_engine_training_will
     if how == "the default on a GPU":
         from fitone.zero2 import step_mode
 
-        real = step_mode.for_config
-        monkeypatch.setattr(step_mode, "for_config", lambda cfg, **kw: real(cfg, **{**kw, "on_gpu": True}))
+        real = step_mode.decide
+        monkeypatch.setattr(step_mode, "decide", lambda ds, **kw: real(ds, **{**kw, "on_gpu": True}))
     built = []  # the update mode of each engine the probe builds
 
     def engine(*args, **kwargs):
@@ -152,7 +161,7 @@ def test_with_the_pipelined_update_the_probe_trials_run_the_engine_training_will
     result = probe_batch(cfg, max_batch=CAP, verify_steps=2, say=quiet, on_model=Budget(limit=5, phase="backward"))
     assert sizes(result) == [1, 2, 4, 8, 6, 5, 4] and result.chosen == 4 and result.verified
     assert built and set(built) == {"PipelinedUpdate"} and result.meta["update"] == "pipelined"
-    assert probe_key(cfg, load_config("t5-tiny", from_scratch=True), "cpu")["pipelined_update"]
+    assert key_of(cfg, load_config("t5-tiny", from_scratch=True), "cpu")["pipelined_update"]
     recipe = yaml.safe_load(save_to_recipe(result, tmp_path / "mine.yaml").read_text())
     # the recipe trains what was probed: on this CPU device the default would be DeepSpeed's step
     assert recipe["pipelined_update"] is True and recipe["batch_size"] == 4
@@ -172,7 +181,7 @@ def test_backward_oom_is_reset_and_later_steps_match_a_fresh_engine(tmp_path):
     ds_file = tmp_path / "small-buckets.json"
     ds_file.write_text(json.dumps({"zero_optimization": {"reduce_bucket_size": 20000}}))
     cfg = probe_config(ds_config=str(ds_file))
-    device = start_runtime(cfg).device
+    run = start_runtime(cfg)
     config = load_config("t5-tiny", from_scratch=True)
     fixed = worst_case_batch("seq2seq", 2, cfg.data_settings(), config.vocab_size, 0)
 
@@ -185,7 +194,7 @@ def test_backward_oom_is_reset_and_later_steps_match_a_fresh_engine(tmp_path):
             losses.append(loss.item())
         return losses, {k: v.clone() for k, v in engine.module.state_dict().items()}
 
-    probed = ProbeSession(cfg, config, device, say=quiet, on_model=Budget(limit=2, phase="backward"))
+    probed = ProbeSession(run, say=quiet, on_model=Budget(limit=2, phase="backward"))
     try:
         result = search_batch_size(probed.try_size, verify_steps=1, log=quiet)
         assert probed.rebuilds == 0  # the reset held: no new engine
@@ -195,7 +204,7 @@ def test_backward_oom_is_reset_and_later_steps_match_a_fresh_engine(tmp_path):
     assert sizes(result) == [1, 2, 4, 3, 1]
     assert [t.oom_phase for t in result.trials if not t.fits] == ["backward", "backward"]
 
-    fresh = ProbeSession(cfg, config, device, say=quiet)  # same seed: the same initial weights
+    fresh = ProbeSession(run, say=quiet)  # same seed: the same initial weights
     try:
         for trial in result.trials:  # the same training steps, without the interrupted backwards
             if trial.fits:
@@ -330,7 +339,7 @@ def test_batch_size_auto_reuses_a_saved_probe_without_building_an_engine(monkeyp
     saved = ProbeResult(trials=[TrialResult(5, fits=True, step_s=1.0, steps=3, purpose="verify")], largest_fit=5,
                         chosen=5, margin=0.05, granularity=1, verified=True, best_throughput=5, cap_bytes=None,
                         wall_s=60.0, meta={"model": "t5-tiny", "date": "2026-11-29T12:00:00"})
-    save_cached(probe_key(cfg, load_config("t5-tiny", from_scratch=True), "cpu"), {"max_batch": 64}, saved)
+    save_cached(key_of(cfg, load_config("t5-tiny", from_scratch=True), "cpu"), {"max_batch": 64}, saved)
 
     def no_probe(*_args, **_kwargs):
         raise AssertionError("the saved probe should have been used")
@@ -347,25 +356,22 @@ def test_batch_size_auto_reuses_a_saved_probe_without_building_an_engine(monkeyp
 def test_batch_size_auto_under_several_ranks_reuses_the_one_gpu_probe_or_says_to_run_one(monkeypatch, cache_root):
     """Fakes the launcher's two ranks (the runtime training hands over); the saved probe and its lookup are real."""
     from fitone.probe.api import batch_size_for_training
-    from fitone.runtime import DistInfo, Runtime
-    from fitone.zero2 import step_mode
+    from fitone.runtime import DistInfo
 
     cfg = probe_config(batch_size="auto", global_batch=20)
-    ranks = Runtime(device="cpu", dist=DistInfo(rank=0, local_rank=0, world_size=2), started=True)
-    config = load_config("t5-tiny", from_scratch=True)
-    mode = step_mode.for_config(cfg, world_size=2, on_gpu=False)
+    ranks = dataclasses.replace(resolve(cfg), dist=DistInfo(rank=0, local_rank=0, world_size=2))
     with pytest.raises(ConfigError, match="needs a saved one-GPU probe: run `fitone probe-batch`"):
-        batch_size_for_training(cfg, ranks, config, mode, say=lambda text: None)
+        batch_size_for_training(ranks, ranks.runtime(), say=lambda text: None)
     saved = ProbeResult(trials=[TrialResult(6, fits=True, step_s=1.0, steps=3, purpose="verify")], largest_fit=6,
                         chosen=6, margin=0.05, granularity=1, verified=True, best_throughput=6, cap_bytes=None,
                         wall_s=60.0, meta={"model": "t5-tiny"})
-    save_cached(probe_key(cfg, load_config("t5-tiny", from_scratch=True), "cpu"), {"max_batch": 64}, saved)
-    assert batch_size_for_training(cfg, ranks, config, mode, say=lambda text: None) == 5  # 20 = 5/GPU x 2 GPUs x 2
+    save_cached(key_of(cfg, load_config("t5-tiny", from_scratch=True), "cpu"), {"max_batch": 64}, saved)
+    assert batch_size_for_training(ranks, ranks.runtime(), say=lambda text: None) == 5  # 20 = 5/GPU x 2 GPUs x 2
 
 
 def test_batch_size_auto_probes_frees_the_probe_then_trains_the_found_size(monkeypatch, cache_root, capsys):
     budget = Budget(limit=3, phase="forward")
-    monkeypatch.setattr(probe_api, "probe_batch", functools.partial(probe_batch, on_model=budget, verify_steps=1,
+    monkeypatch.setattr(probe_api, "probe_on", functools.partial(probe_api.probe_on, on_model=budget, verify_steps=1,
                                                                     max_batch=CAP))
     train_module = importlib.import_module("fitone.train")  # `fitone.train` is also the function
 
@@ -382,7 +388,7 @@ def test_batch_size_auto_probes_frees_the_probe_then_trains_the_found_size(monke
     assert result.micro_batch == 2 and result.steps == 2  # 1, 2, 4 (OOM), 3: floor(3 x 0.95) = 2
     assert loaded_after_probe == [True]
     assert "no saved probe for this model" in capsys.readouterr().out
-    key = probe_key(cfg, load_config("t5-tiny", from_scratch=True), "cpu")
+    key = key_of(cfg, load_config("t5-tiny", from_scratch=True), "cpu")
     assert read_cached(key).chosen == 2  # saved: the next run reuses it
 
 
@@ -392,14 +398,14 @@ def test_batch_size_auto_loads_the_model_config_once_and_builds_the_runtime_once
     repeat training's pre-flight. Counted under every fitone module's own name for them."""
     import sys
 
-    from fitone import models, runtime
+    from fitone import models, run
     from fitone.plan import preflight as real_preflight
 
     loads, builds, preflights = [], [], []
-    real_load, real_build = models.load_config, runtime.build_runtime
+    real_load, real_build = models.load_config, run.resolve
 
     def counting_preflight(*args, **kwargs):
-        preflights.append(kwargs.get("micro_batch"))
+        preflights.append(args[0].micro_batch or 1)  # the Run it checks: 1 while 'auto' is unprobed
         return real_preflight(*args, **kwargs)
 
     def counting_load(*args, **kwargs):
@@ -414,11 +420,11 @@ def test_batch_size_auto_loads_the_model_config_once_and_builds_the_runtime_once
         if name == "fitone" or name.startswith("fitone."):
             if getattr(module, "load_config", None) is real_load:
                 monkeypatch.setattr(module, "load_config", counting_load)
-            if getattr(module, "build_runtime", None) is real_build:
-                monkeypatch.setattr(module, "build_runtime", counting_build)
+            if getattr(module, "resolve", None) is real_build:
+                monkeypatch.setattr(module, "resolve", counting_build)
             if getattr(module, "preflight", None) is real_preflight:
                 monkeypatch.setattr(module, "preflight", counting_preflight)
-    monkeypatch.setattr(probe_api, "probe_batch", functools.partial(probe_batch, verify_steps=1, max_batch=2))
+    monkeypatch.setattr(probe_api, "probe_on", functools.partial(probe_api.probe_on, verify_steps=1, max_batch=2))
     result = fitone.train(probe_config(batch_size="auto", max_steps=1))
     assert result.micro_batch == 1 and result.steps == 1  # sizes 1, 2: floor(2 x 0.95) = 1
     assert len(loads) == 1 and len(builds) == 1, (loads, builds)
@@ -450,7 +456,7 @@ def test_on_the_cpu_the_search_stops_at_the_plans_host_ram_bound(monkeypatch):
     from fitone.plan import preflight
 
     cfg = probe_config()
-    plans = {b: preflight(cfg, micro_batch=b) for b in (5, 6)}  # a CPU run keeps its "GPU" side in host RAM too
+    plans = {b: preflight(resolve(cfg).with_batch(b)) for b in (5, 6)}  # a CPU run keeps its "GPU" side in host RAM too
     need = {b: p.host_export + p.gpu_allocated for b, p in plans.items()}  # the steps' peak and the export's shard
     monkeypatch.setattr(memory, "host_rss_bytes", lambda: 0)
     monkeypatch.setattr(memory, "host_available_bytes", lambda: (need[5] + need[6]) // 2)
@@ -463,7 +469,7 @@ def test_on_the_cpu_the_search_stops_at_the_plans_host_ram_bound(monkeypatch):
 
 
 def test_a_capped_probe_is_never_reused_as_a_probe_of_the_card(cache_root):
-    key = probe_key(probe_config(), load_config("t5-tiny", from_scratch=True), "cpu")
+    key = key_of(probe_config(), load_config("t5-tiny", from_scratch=True), "cpu")
     full = probe_batch(probe_config(), max_batch=CAP, verify_steps=1, say=quiet, on_model=Budget(limit=3))
     assert not full.meta["capped"] and full.chosen == 2  # 4 ran out of memory: the card's limit was found
     lines: list[str] = []
@@ -515,7 +521,7 @@ def _key_change(change: str, tmp_path, monkeypatch, t5_dir: Path) -> tuple[dict,
         base = base.replace(data=str(tmp_path / "shards" / "*.jsonl"))
     if change == "hub_config":
         base = base.replace(data="org/dataset")
-    before = probe_key(base, config, device)
+    before = key_of(base, config, device)
     if change == "model_config":
         changed_config = load_config("t5-small", from_scratch=True)
     elif change == "precision":
@@ -579,7 +585,7 @@ def _key_change(change: str, tmp_path, monkeypatch, t5_dir: Path) -> tuple[dict,
         monkeypatch.setattr(importlib.import_module(change), "__version__", "0.0.0-other")
     else:
         raise AssertionError(f"no such case {change}")
-    return before, probe_key(changed or base, changed_config, changed_device)
+    return before, key_of(changed or base, changed_config, changed_device)
 
 
 @pytest.mark.parametrize("change", [
@@ -600,18 +606,18 @@ def test_the_cache_key_changes_with_everything_that_decides_a_trials_memory(chan
 def test_the_cache_key_ignores_what_does_not_change_memory():
     config = load_config("t5-tiny", from_scratch=True)
     base = probe_config()
-    key = probe_key(base, config, "cpu")
+    key = key_of(base, config, "cpu")
     for same in ({"lr": 0.5}, {"seed": 7}, {"batch_size": 64}, {"seq_len": 64}, {"data": "synthetic"},
                  {"max_steps": 5}, {"grad_accum": 4}, {"lr_schedule": "cosine", "warmup_steps": 3},
                  {"delayed_update": True}):  # the delayed update's extra buffer is on the host
-        assert probe_key(base.replace(**same), config, "cpu") == key, same  # seq_len: not a T5's length
+        assert key_of(base.replace(**same), config, "cpu") == key, same  # seq_len: not a T5's length
     assert "allocator" not in key or key["allocator"] is None  # no CUDA allocator on the CPU
-    on_gpu = probe_key(base, config, "cuda")  # the pipelined update is the default on one GPU
-    assert on_gpu == probe_key(base.replace(pipelined_update=True), config, "cuda") and on_gpu["pipelined_update"]
+    on_gpu = key_of(base, config, "cuda")  # the pipelined update is the default on one GPU
+    assert on_gpu == key_of(base.replace(pipelined_update=True), config, "cuda") and on_gpu["pipelined_update"]
 
 
 def test_saved_result_is_reused_only_for_the_same_search_settings():
-    key = probe_key(probe_config(), load_config("t5-tiny", from_scratch=True), "cpu")
+    key = key_of(probe_config(), load_config("t5-tiny", from_scratch=True), "cpu")
     result = search_batch_size(lambda size, steps: TrialResult(size, fits=size <= 10, step_s=1.0, steps=steps),
                                log=quiet)
     search = {"max_batch": 4096, "max_trials": 16, "margin": 0.05, "verify_steps": 3}

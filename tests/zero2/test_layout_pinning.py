@@ -83,12 +83,12 @@ def test_the_lean_layout_refuses_deepspeeds_pinned_buffers():
     from fitone.ds_config import build_ds_config
     from fitone.engine import Engine
     from fitone.models import build_model, load_config
-    from fitone.runtime import start_runtime
+    from fitone.run import resolve_planned, start_runtime
 
     cfg = cpu_config(precision="bf16")
     start_runtime(cfg)
     model = build_model(load_config("t5-tiny", from_scratch=True))
-    engine = Engine(model, build_ds_config(cfg, micro_batch=4, world_size=1, total_steps=10, on_gpu=True))
+    engine = Engine(model, build_ds_config(resolve_planned(cfg.replace(device="auto"), 1).with_batch(4).with_steps(10)))
     try:
         assert engine.optimizer.cpu_offload_pin_memory
         with pytest.raises(ValueError, match="pin_memory false"):

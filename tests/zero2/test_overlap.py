@@ -300,10 +300,9 @@ def test_by_default_a_run_on_one_gpu_takes_the_pipelined_update_and_says_so(monk
 
     from fitone.zero2 import step_mode
 
-    train_module = importlib.import_module("fitone.train")  # the module, not fitone.train the function
 
-    real = step_mode.for_config
-    monkeypatch.setattr(step_mode, "for_config", lambda cfg, **kw: real(cfg, **{**kw, "on_gpu": True}))
+    real = step_mode.decide
+    monkeypatch.setattr(step_mode, "decide", lambda ds, **kw: real(ds, **{**kw, "on_gpu": True}))
     built = []  # the overlapped update each engine of a run really holds
 
     class Recorded(Engine):
@@ -311,7 +310,7 @@ def test_by_default_a_run_on_one_gpu_takes_the_pipelined_update_and_says_so(monk
             super().__init__(*args, **kwargs)
             built.append(type(self.overlap).__name__)
 
-    monkeypatch.setattr(train_module, "Engine", Recorded)
+    monkeypatch.setattr(importlib.import_module("fitone.build"), "Engine", Recorded)
     common = dict(max_steps=6, lr=1e-3, lr_schedule="constant", warmup_steps=0, batch_size=8)
     default = fitone.train(cpu_config(**common, progress=False))
     said = capsys.readouterr()

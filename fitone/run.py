@@ -1,0 +1,114 @@
+"""A run's decisions, made once: `resolve(cfg) -> Run`, handed down to training, the probe and the plan.
+
+The device, ranks, concrete precision, model config and task, the user's --ds-config (read and validated
+once), the DeepSpeed sections that do not depend on the batch, the optimizer step and the GPU cap in bytes
+are decided here and nowhere else. The micro-batch and accumulation (`with_batch`) and the run's length
+(`with_steps`) are added to a new Run once known. Nothing here starts a process group or allocates:
+`fitone plan` resolves too (`resolve_planned`, for the card it plans for).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Any
+
+from fitone import ds_config, runtime
+from fitone.config import TrainConfig, resolve_precision
+from fitone.models import load_config, require_model, task_of
+from fitone.runtime import DistInfo, Placement, Runtime
+from fitone.units import parse_size
+from fitone.zero2 import step_mode
+from fitone.zero2.step_mode import StepMode
+
+
+@dataclass(frozen=True)
+class Run(Placement):
+    """What a run decided. `settings` are the user's, as given: read its precision, step and cap from here."""
+
+    settings: TrainConfig
+    device: str  # 'cuda' or 'cpu'
+    dist: DistInfo
+    precision: str  # 'fp16', 'bf16' or 'fp32': never 'auto'
+    model_config: Any  # transformers' PretrainedConfig, no weights
+    task: str  # models.SEQ2SEQ or models.CAUSAL
+    user_ds: dict[str, Any] | None  # --ds-config's contents
+    ds_sections: dict[str, Any]  # the DeepSpeed config less its batch sizes and schedule (ds_config.sections)
+    mode: StepMode
+    cap_bytes: int | None  # --max-gpu-memory
+    micro_batch: int | None = None  # None until an 'auto' size is probed
+    accumulation: int | None = None
+    total_steps: int | None = None
+
+    @property
+    def batch_is_auto(self) -> bool:
+        """--batch-size auto: the micro-batch is probed (the one place the string is compared)."""
+        return self.settings.batch_size == "auto"
+
+    def with_batch(self, micro_batch: int) -> Run:
+        """This run at `micro_batch` per rank, its accumulation derived (a --global-batch it does not divide
+        is refused)."""
+        return replace(self, micro_batch=micro_batch,
+                       accumulation=self.settings.accumulation(micro_batch, self.world_size))
+
+    def with_given_batch(self) -> Run:
+        """At the user's --batch-size N (its accumulation checked before anything heavy); an 'auto' run as is."""
+        return self if self.batch_is_auto else self.with_batch(int(self.settings.batch_size))
+
+    def with_steps(self, total_steps: int) -> Run:
+        return replace(self, total_steps=total_steps)
+
+    def for_probe(self) -> Run:
+        """As a probe runs it: one GPU, micro-batch 1, every step an optimizer step, no known length (DeepSpeed
+        fixes the micro-batch at init but takes any batch shape in forward)."""
+        return replace(self, dist=DistInfo(self.dist.rank, self.dist.local_rank, 1), mode=self.mode.on_one_gpu(),
+                       micro_batch=1, accumulation=1, total_steps=None)
+
+    def runtime(self) -> Runtime:
+        """The process's runtime for this run, not started (Runtime.start does the heavy part)."""
+        cfg = self.settings
+        return Runtime(device=self.device, dist=self.dist, verbose=cfg.verbose,
+                       expandable_segments=cfg.expandable_segments, cap_bytes=self.cap_bytes,
+                       max_gpu_memory=cfg.max_gpu_memory)
+
+
+def resolve(cfg: TrainConfig) -> Run:
+    """The decisions of a run on this machine: its device (checked against it) and its rank in the launcher's
+    (or a single process's) distributed env."""
+    require_model(cfg.model)
+    device = runtime.resolve_device(cfg)
+    if cfg.precision == "auto" and device == "cpu" and int(os.environ.get("RANK", "0")) == 0:
+        print("fitone: no GPU: training in fp32 on the CPU (fp16 needs a CUDA GPU; --precision bf16 is "
+              "faster on CPUs with bf16 instructions)", flush=True)
+    return _decide(cfg, device, runtime.ensure_dist_env())
+
+
+def resolve_planned(cfg: TrainConfig, gpus: int) -> Run:
+    """The decisions of a run on the card `fitone plan` plans for (a GPU unless --device cpu), on `gpus` ranks:
+    nothing is read from this machine's GPU or distributed env."""
+    require_model(cfg.model)
+    return _decide(cfg, "cpu" if cfg.device == "cpu" else "cuda", DistInfo(0, 0, gpus))
+
+
+def start_runtime(cfg: TrainConfig) -> Run:
+    """resolve, and start its runtime: for callers (tests, benchmarks) that build an engine directly (at
+    `run.with_batch(N)`)."""
+    run = resolve(cfg)
+    run.runtime().start()
+    return run
+
+
+def _decide(cfg: TrainConfig, device: str, dist: DistInfo) -> Run:
+    on_gpu = device == "cuda"
+    precision = resolve_precision(cfg.precision, on_gpu=on_gpu)
+    config = load_config(cfg.model, from_scratch=cfg.from_scratch)  # once per run: a config, no weights
+    user = ds_config.read_user_config(cfg.ds_config) if cfg.ds_config else None
+    sections = ds_config.sections(cfg, precision=precision, on_gpu=on_gpu, user=user)
+    # which optimizer step: decided once (a flag it cannot honour refused) before any weights load
+    mode = step_mode.decide(sections, delayed_update=cfg.delayed_update,
+                            delayed_update_after=cfg.delayed_update_after, pipelined_update=cfg.pipelined_update,
+                            world_size=dist.world_size, on_gpu=on_gpu)
+    run = Run(settings=cfg, device=device, dist=dist, precision=precision, model_config=config,
+              task=task_of(config), user_ds=user, ds_sections=sections, mode=mode,
+              cap_bytes=parse_size(cfg.max_gpu_memory, "--max-gpu-memory"))
+    return run
