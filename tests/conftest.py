@@ -35,22 +35,41 @@ def cpu_config(**overrides) -> TrainConfig:
     return TrainConfig(**values)
 
 
-def tiny_engine(precision: str = "fp32", model: str = "t5-tiny", **engine_options):
-    """A real ZeRO-2 CPU-offload engine on the tiny T5 (or `model`; seeded weights, micro-batch 4, constant
-    lr 1e-3, clip 1.0 so the clip path runs); `engine_options` go to fitone.engine.Engine."""
+def tiny_engine(precision: str = "fp32", model: str = "t5-tiny", *, grad_accum: int = 1, gpu_ds_config: bool = False,
+                lean: bool = False, lean_host: bool = True, chunk: int | None = None, pipelined: bool = False,
+                delayed_after: int | None = None):
+    """A real ZeRO-2 CPU-offload engine on the tiny T5 (or `model`; seeded weights, micro-batch 4, constant lr
+    1e-3, clip 1.0 so the clip path runs), the one engine builder of the CPU tests.
+
+    `pipelined`, `delayed_after`: fitone.engine.Engine's own updates. `gpu_ds_config`: the DeepSpeed config a GPU
+    run gets (pin_memory, overlap_comm), on this CPU engine. `lean`: the lean host layout in chunks of `chunk`
+    elements with no update on it (only to compare gradients: DeepSpeed's own step is refused there), its
+    LeanHost left to the test with `lean_host=False`; `chunk` with `pipelined`: the pipelined update and its
+    layout built here in such chunks, instead of by the Engine."""
     import torch
 
     from fitone.ds_config import build_ds_config
     from fitone.engine import Engine
-    from fitone.run import start_runtime
+    from fitone.run import resolve_planned, start_runtime
     from fitone.models import build_model, load_config
+    from fitone.zero2 import layout, overlap
 
-    cfg = cpu_config(precision=precision, lr=1e-3, lr_schedule="constant", warmup_steps=0)
+    cfg = cpu_config(precision=precision, lr=1e-3, lr_schedule="constant", warmup_steps=0, grad_accum=grad_accum)
     run = start_runtime(cfg)
     torch.manual_seed(0)
     module = build_model(load_config(model, from_scratch=True))
+    if gpu_ds_config:  # as planned for a GPU (the engine itself runs on the CPU)
+        run = resolve_planned(cfg.replace(device="auto"), 1)
     ds = build_ds_config(run.with_batch(4).with_steps(100))
-    return Engine(module, ds, **engine_options)
+    chunked = lean or bool(pipelined and chunk)
+    if chunked:
+        ds = layout.lean_offload_config(ds)
+    engine = Engine(module, ds, pipelined=pipelined and not chunked, delayed_after=delayed_after)
+    if chunked and lean_host:
+        engine.host = layout.LeanHost(engine.optimizer, chunk_elements=chunk)
+    if pipelined and chunked:
+        engine.overlap = overlap.PipelinedUpdate(engine.optimizer, engine.module, after=1, host=engine.host)
+    return engine
 
 
 def fixed_batch(step: int, vocab: int = 256) -> dict:
@@ -133,15 +152,17 @@ def run_main(argv: list[str]) -> tuple[int, str, str]:
     return rc, out.getvalue(), err.getvalue()
 
 
-def child_env() -> dict[str, str]:
-    """Environment for a child `python -m fitone`: this checkout importable, one OpenMP thread (no
-    spinning against the test process on a shared machine), and without the torch.distributed
-    variables an in-process run set here (the child would reuse a port in use)."""
+def child_env(*, one_thread: bool = True, drop: tuple[str, ...] = (), **values: str) -> dict[str, str]:
+    """Environment for a child process (`python -m fitone`, a script): this checkout first on the path, one OpenMP
+    thread (no spinning against the test process on a shared machine; `one_thread=False` leaves the setting as it
+    is), and without the torch.distributed variables an in-process run set here (the child would reuse a port in
+    use) nor the variables in `drop`; `values` are set over all that."""
     env = {k: v for k, v in os.environ.items()
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")
-    env["OMP_NUM_THREADS"] = "1"
-    return env
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", *drop)}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    if one_thread:
+        env["OMP_NUM_THREADS"] = "1"
+    return {**env, **values}
 
 
 def run_child(command: list[str], *, timeout: float, **options) -> subprocess.CompletedProcess:
@@ -176,3 +197,53 @@ def deepspeed_ops_built() -> Path:
     if not all(extensions.is_built(name) for name in extensions.OPS):
         tiny_engine().close()
     return extensions.extensions_root()
+
+
+# -- the slow marker ------------------------------------------------------------------------------
+# Tests that take over ~20 s each on a loaded 2-core CPU (measured with --durations), by module file name and test
+# function ("*": every test of the module, where a module-scoped fixture is the slow part). Marked here, in one
+# list, so the marker does not touch the test modules; `python -m pytest -q -m "not slow"` is the quick pass and
+# the README's command still runs them all.
+SLOW: dict[str, tuple[str, ...]] = {
+    "test_bench_pack.py": ("test_the_dry_run_trains_packed_and_unpacked_children_and_records_both",),
+    "test_bench_smoke.py": ("test_every_tool_writes_a_record_with_the_promised_fields",  # the `smoke` fixture's
+                            "test_step_times_are_medians_of_the_timed_steps",
+                            "test_all_tools_train_the_same_model_on_the_same_data",
+                            "test_each_loop_records_where_a_step_goes", "test_child_logs_and_table_are_written",
+                            "test_a_causal_lm_runs_at_its_seq_len_with_accumulation",  # the `causal` fixture's
+                            "test_the_split_adds_up_every_micro_batch_of_a_step",
+                            "test_the_stock_loop_hands_deepspeed_the_parameter_groups",
+                            "test_the_update_modes_run_as_their_own_tools",
+                            "test_a_child_cut_by_a_test_timeout_leaves_no_process_behind"),
+    "test_checkpoint.py": ("test_sigkill_during_a_save_keeps_the_last_complete_checkpoint_and_resume_uses_it",),
+    "test_cli.py": ("test_bad_input_through_a_real_process",
+                    "test_import_fitone_is_light_and_the_api_loads_on_first_use"),
+    "test_sources.py": ("test_a_200k_row_parquet_trains_without_being_read_into_memory",),
+    "test_distributed.py": ("*",),  # torchrun children, each test and the fixture over 60 s
+    "test_extensions.py": ("test_fitone_train_after_an_interrupted_build_clears_the_lock_and_says_what_it_builds",),
+    "test_faults.py": ("test_sigterm_checkpoints_says_how_to_resume_and_resume_continues",),
+    "test_overlap.py": ("test_in_bf16_the_pipelined_update_follows_the_default_and_the_delayed_one_lags",
+                        "test_the_pipelined_update_trains_exports_and_resumes",
+                        "test_by_default_a_run_on_one_gpu_takes_the_pipelined_update_and_says_so",
+                        "test_the_pipelined_update_on_a_causal_lm_with_tied_weights_and_accumulation",
+                        "test_train_with_the_delayed_update_learns_exports_and_resumes"),
+    "test_preflight.py": ("test_a_model_too_big_for_host_ram_is_refused_in_seconds_without_building_it",),
+    "test_quiet.py": ("test_offload_none_builds_no_deepspeed_op_and_trains",
+                      "test_plan_on_a_machine_without_a_gpu_prints_no_deepspeed_warning",
+                      "test_on_the_cpu_a_run_that_names_no_precision_trains_in_fp32_with_a_note",
+                      "test_an_unknown_model_without_a_network_is_one_line_at_once"),
+    "test_run_recipes.py": ("test_the_dry_run_trains_each_recipe_in_a_child_and_records_it",),
+    "test_runtime.py": ("test_a_run_destroys_the_process_group_it_made_and_keeps_its_caller_s",
+                        "test_a_taken_master_port_from_the_user_is_one_line_from_the_cli"),
+    "test_layout.py": ("test_a_checkpoint_resumes_across_the_one_group_and_the_grouped_layouts",
+                      "test_the_pipelined_update_on_the_lean_layout_follows_deepspeeds_step_with_accumulation",
+                      "test_the_lean_layout_trains_bit_for_bit_as_deepspeeds_layout"),
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # marked before `-m` deselects by the marks (SLOW's names: tests/test_tree.py)
+def pytest_collection_modifyitems(config, items) -> None:
+    for item in items:
+        names = SLOW.get(item.path.name, ())
+        if "*" in names or getattr(item, "originalname", item.name) in names:
+            item.add_marker(pytest.mark.slow)

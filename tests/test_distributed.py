@@ -2,7 +2,7 @@
 
 The same `fitone train` command a user runs under `torchrun`/`deepspeed` on several GPUs; here each
 rank is a CPU process. Two ranks at micro-batch 8 see, step by step, exactly the two micro-batches one
-process accumulates at micro-batch 8 x 2 (tests/test_data.py checks the split): each micro-batch's loss is
+process accumulates at micro-batch 8 x 2 (tests/data/test_data.py checks the split): each micro-batch's loss is
 its own token mean, and ZeRO-2 averages the ranks' gradients as accumulation averages the micro-batches'.
 So the two curves are the same arithmetic, summed in another order.
 """

@@ -55,7 +55,7 @@ def test_an_unknown_model_without_a_network_is_one_line_at_once():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed once the block ends: connections are refused
-    env = {k: v for k, v in child_env().items() if k != "HF_HUB_OFFLINE"}
+    env = child_env(drop=("HF_HUB_OFFLINE",))
     env["HF_ENDPOINT"] = f"http://127.0.0.1:{port}"
     run = subprocess.run([sys.executable, "-m", "fitone", "train", "--model", "someone/no-such-model", "--device",
                           "cpu", "--precision", "fp32"], env=env, capture_output=True, text=True, timeout=600,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import child_env
 from fitone.cli import build_parser, main
 from fitone.cli.options import config_from_args
 from fitone.cli.train import TRAIN_FLAGS
@@ -226,18 +227,12 @@ def test_an_installed_wheel_carries_every_recipe(tmp_path):
     probe = ("import fitone, fitone.recipes as r; print(fitone.__file__); print(r.recipe_dir()); "
              "print(','.join(x.name for x in r.list_recipes()))")
     run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=tmp_path,
-                         env={**_env(), "PYTHONPATH": str(site)})
+                         env=child_env(PYTHONPATH=str(site)))
     assert run.returncode == 0, run.stderr
     module_file, found_dir, names = run.stdout.strip().splitlines()[-3:]
     assert Path(module_file).is_relative_to(site)  # imported from the wheel, not this checkout
     assert Path(found_dir) == site / "fitone" / "_recipes"
     assert names.split(",") == NAMES
-
-
-def _env() -> dict[str, str]:
-    import os
-
-    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
 
 
 def test_recipe_dir_is_this_checkout_s_folder():

@@ -24,7 +24,7 @@ T5_TINY_DEPTH = 2 * 5 + 2 * 8 + 1
 # Steps over which the drift bounds below hold for two whole training runs. Training amplifies a gap
 # step by step (the next gradients see the gap, and a fast-learning run turns them into the next one), so
 # past some steps it grows geometrically, which no rounding bound covers. On the tests' sample task the
-# fp32 gap stays linear through step 8 (tests/test_overlap.py); whole-run comparisons between two
+# fp32 gap stays linear through step 8 (tests/zero2/test_overlap.py); whole-run comparisons between two
 # different implementations of the same arithmetic are made over these first steps.
 LINEAR_STEPS = 8
 

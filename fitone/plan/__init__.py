@@ -2,7 +2,7 @@
 
 The model is built on the meta device (shapes, no weights). Model states follow what DeepSpeed 0.19
 allocates; activations follow what autograd saves, counted tensor by tensor for T5, GPT-2 and
-Llama-style models; tests/test_plan.py checks them against the measured t5-3b runs that bench/README.md lists.
+Llama-style models; tests/plan/test_plan.py checks them against the measured t5-3b runs that bench/README.md lists.
 
 `plan()` answers "will it fit, and how big a micro-batch"; `preflight()` is the check (host RAM, and the
 GPU at micro-batch 1) that `fitone train` and `fitone probe-batch` run from the config before allocating.

@@ -21,7 +21,7 @@ CATEGORIES = ("weights", "gradients", "optimizer", "activations", "buffers", "ov
 CUDA_CONTEXT = GIB // 2  # the CUDA context and kernels live outside the allocator (and outside any cap)
 FRAGMENTATION = 0.05  # the caching allocator reserves a little more than it hands out
 # What the process holds before any model state (python, torch, transformers, DeepSpeed, CUDA libs),
-# calibrated against measured runs (tests/test_plan.py names the calibration; bench/results/ the runs).
+# calibrated against measured runs (tests/plan/test_plan.py names the calibration; bench/results/ the runs).
 BASELINE_GPU_BOX = 2 * GIB
 BASELINE_CPU = GIB // 2
 

@@ -11,7 +11,7 @@ def reset_after_oom(ds_engine: Any, opt: Any) -> None:
     An interrupted backward leaves gradients queued in the bucket, partitions marked reduced ('Gradient
     computed twice' next time), the backward depth raised and a micro-step count that would make the next
     backward accumulate into stale host buffers. Weights and optimizer states are kept (the probe does not
-    care; training stops on an OOM). tests/test_probe_run.py holds later steps to a fresh engine's.
+    care; training stops on an OOM). tests/probe/test_probe_batch.py holds later steps to a fresh engine's.
     """
     if hasattr(opt, "_backward_hook_state"):  # the aborted backward never ran exit_backward()
         opt._backward_active_depth = 0

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import child_env
 
 REPO = Path(__file__).resolve().parents[2]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -91,17 +92,8 @@ def record(test: str, **values) -> None:
             f.write(json.dumps({"test": test, **values}) + "\n")
 
 
-def child_env(tmp_path: Path) -> dict[str, str]:
-    """Environment for a child `python -m fitone`: this checkout first on the path, the probe cache in
-    tmp_path, without the torch.distributed variables this process's engines set (a child would reuse a
-    port in use), and NVLink multicast off (NCCL NVLink SHARP off, as scripts/gpu_multi_proof.sh sets it).
-    OMP_NUM_THREADS is left as it is: CPU Adam on gpt2 needs the cores."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
-    env["FITONE_CACHE_DIR"] = str(tmp_path / "cache")
-    env.update(NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
-    return env
+# NVLink multicast off in a child (NCCL NVLink SHARP off, as scripts/gpu_multi_proof.sh sets it)
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 def run_fitone(tmp_path: Path, *args: str, ranks: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -114,8 +106,9 @@ def run_fitone(tmp_path: Path, *args: str, ranks: int = 1, timeout: int = 300) -
     else:
         launcher = []
     cmd = [sys.executable, *launcher, "-m", "fitone", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=child_env(tmp_path), timeout=timeout, cwd=REPO,
-                          check=False)
+    # the probe cache in tmp_path; OMP_NUM_THREADS as it is: CPU Adam on gpt2 needs the cores
+    env = child_env(one_thread=False, FITONE_CACHE_DIR=str(tmp_path / "cache"), **NO_MULTICAST)
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO, check=False)
 
 
 def metrics(out: Path) -> list[dict]:

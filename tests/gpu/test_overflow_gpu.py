@@ -1,6 +1,6 @@
 """fp16 overflow on the GPU: a step whose gradients hold an inf is dropped by the pipelined update exactly
 as DeepSpeed's own step drops it, with fitone's deferred overflow check (fitone.zero2.overflow) reading a real
-device flag. tests/test_overflow.py shows the decision on the CPU in bf16 (DeepSpeed refuses fp16 there).
+device flag. tests/zero2/test_overflow.py shows the decision on the CPU in bf16 (DeepSpeed refuses fp16 there).
 """
 
 from __future__ import annotations

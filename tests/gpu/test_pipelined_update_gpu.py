@@ -1,7 +1,7 @@
 """The pipelined update (fitone's default step on one GPU) on the GPU: its side stream, landing buffers and
 events, pinned host buffers and overlap_comm, against DeepSpeed's own step over 20 steps of gpt2.
 
-tests/test_overlap.py proves the arithmetic on the CPU in fp32; only here do the uploads run on a CUDA
+tests/zero2/test_overlap.py proves the arithmetic on the CPU in fp32; only here do the uploads run on a CUDA
 stream beside the next forward, and only here are the weights 16-bit numbers rounded from the masters.
 """
 

@@ -1,6 +1,6 @@
 """`fitone probe-batch` on the GPU under a small cap: the size it finds trains, and the size it saw run out
 of memory does run out of memory, each in a fresh process as a user would run them (a cap is per process:
-set in this one it would stay on the tests after it). tests/test_probe_search.py and test_probe_run.py
+set in this one it would stay on the tests after it). tests/probe/test_search.py and test_probe_batch.py
 cover the search and the trials on the CPU, where nothing runs out of memory the way a GPU does.
 """
 

@@ -289,6 +289,6 @@ def test_the_search_and_its_results_load_without_torch_and_leave_render_to_their
     run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=child_env(), capture_output=True,
                          text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.strip() == "[]", run.stderr
-    results = ast.parse((Path(__file__).parents[1] / "fitone" / "probe" / "results.py").read_text())
+    results = ast.parse((Path(__file__).parents[2] / "fitone" / "probe" / "results.py").read_text())
     top = {n.module for n in results.body if isinstance(n, ast.ImportFrom)}
     assert "fitone.render" not in top  # table() and plot() import it when called: no render -> results -> render

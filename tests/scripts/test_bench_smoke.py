@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import re
 import stat
 import subprocess
@@ -20,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_child
+from conftest import child_env, run_child
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "bench_tools.py"
 sys.path.insert(0, str(ROOT / "scripts"))  # the scripts import their shared helpers (_harness, ...)
 
@@ -48,10 +47,9 @@ def _ops_built(deepspeed_ops_built):
 
 
 def _run(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
-    env = dict(os.environ)  # the timeout is generous: on a shared 2-core box a child's imports alone can take 40 s
-    # One OpenMP thread: on a shared 2-core box two spinning threads make a tiny model's step 100x slower.
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return run_child([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=env, timeout=timeout)
+    # the timeout is generous: on a shared 2-core box a child's imports alone can take 40 s; one OpenMP thread
+    # (child_env): there two spinning threads make a tiny model's step 100x slower
+    return run_child([sys.executable, str(SCRIPT), *args], cwd=ROOT, env=child_env(), timeout=timeout)
 
 
 @pytest.fixture(scope="module")

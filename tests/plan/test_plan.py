@@ -73,7 +73,7 @@ def test_the_lean_host_layout_holds_fourteen_bytes_a_parameter_and_one_fp32_chun
 
 
 LLAMA_7B = dict(model="llama-7b", from_scratch=True, seq_len=512, precision="bf16")
-RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results" / "2026-12-01-issue19-export-t5"
+RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "2026-12-01-issue19-export-t5"
 
 
 @pytest.mark.parametrize(("settings", "record"), [(LLAMA_7B, "bench7b-llama7b-export.json"),
@@ -426,7 +426,7 @@ def test_the_pipelined_update_adds_two_fp32_upload_chunks_on_the_gpu():
     assert 0 <= margin <= 0.06 * (landing + staging)
 
 
-LLAMA_31_8B = Path(__file__).resolve().parents[1] / "bench" / "results" / "2026-12-01-issue27"
+LLAMA_31_8B = Path(__file__).resolve().parents[2] / "bench" / "results" / "2026-12-01-issue27"
 
 
 def test_llama_3_1_8b_plans_within_five_percent_of_its_run(monkeypatch):

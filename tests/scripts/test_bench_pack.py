@@ -13,7 +13,7 @@ import pytest
 
 from conftest import child_env, run_child
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_pack.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_pack.py"
 
 
 @pytest.fixture(autouse=True)

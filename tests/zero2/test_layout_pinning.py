@@ -13,25 +13,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import cpu_config
+from conftest import cpu_config, tiny_engine
 from fitone.zero2 import layout
 
 
 def lean_engine(pipelined: bool):
-    """A seeded tiny-T5 engine on the lean layout's DeepSpeed config: with the pipelined update (the Engine
-    builds its LeanHost) or without (the test builds one)."""
-    from fitone.ds_config import build_ds_config
-    from fitone.engine import Engine
-    from fitone.models import build_model, load_config
-    from fitone.run import resolve_planned, start_runtime
-
-    cfg = cpu_config(precision="bf16", lr=1e-3, lr_schedule="constant", warmup_steps=0)
-    start_runtime(cfg)
-    torch.manual_seed(0)
-    model = build_model(load_config("t5-tiny", from_scratch=True))
-    # pin_memory: true, as planned for a GPU (the engine itself runs on the CPU)
-    ds = build_ds_config(resolve_planned(cfg.replace(device="auto"), 1).with_batch(4).with_steps(10))
-    return Engine(model, ds if pipelined else layout.lean_offload_config(ds), pipelined=pipelined)
+    """A seeded tiny-T5 engine on the lean layout's DeepSpeed config as a GPU run gets it (pin_memory: true): with
+    the pipelined update (the Engine builds its LeanHost) or without (the test builds one)."""
+    return tiny_engine("bf16", gpu_ds_config=True, pipelined=pipelined, lean=not pipelined, lean_host=False)
 
 
 @pytest.fixture

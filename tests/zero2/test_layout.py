@@ -9,7 +9,7 @@ import gc
 import pytest
 import torch
 
-from conftest import cpu_config, fixed_batch, weights
+from conftest import fixed_batch, tiny_engine, weights
 from fitone.zero2 import layout, overlap
 
 pytestmark = pytest.mark.numeric  # engines compared to the bit: also run under another SIMD level (.ci/run)
@@ -20,28 +20,9 @@ SMALL_CHUNKS = 2048  # elements: the tiny T5's embedding (256 x 64) and feed-for
 
 def make_engine(precision: str = "bf16", grad_accum: int = 1, *, pipelined: bool = False, lean: bool = False,
                 chunk: int | None = None):
-    """A seeded tiny-T5 engine; `lean` builds the lean layout (in chunks of `chunk` elements) with no update
-    on it (only to compare gradients: DeepSpeed's own step is refused there); `pipelined` the engine's own
-    pipelined update on the lean layout; `chunk` with `pipelined`: its update and layout in such chunks."""
-    from fitone.ds_config import build_ds_config
-    from fitone.engine import Engine
-    from fitone.run import start_runtime
-    from fitone.models import build_model, load_config
-
-    cfg = cpu_config(precision=precision, lr=1e-3, lr_schedule="constant", warmup_steps=0, grad_accum=grad_accum)
-    run = start_runtime(cfg)
-    torch.manual_seed(0)
-    model = build_model(load_config("t5-tiny", from_scratch=True))
-    ds = build_ds_config(run.with_batch(4).with_steps(100))
-    chunked = lean or (pipelined and chunk)
-    if chunked:
-        ds = layout.lean_offload_config(ds)
-    engine = Engine(model, ds, pipelined=pipelined and not chunked)
-    if chunked:
-        engine.host = layout.LeanHost(engine.optimizer, chunk_elements=chunk)
-    if pipelined and chunked:
-        engine.overlap = overlap.PipelinedUpdate(engine.optimizer, engine.module, after=1, host=engine.host)
-    return engine
+    """conftest.tiny_engine in bf16 by default: `lean` the lean layout with no update on it, `pipelined` the
+    engine's own pipelined update, `chunk` either of them in such chunks."""
+    return tiny_engine(precision, grad_accum=grad_accum, pipelined=pipelined, lean=lean, chunk=chunk)
 
 
 def deepspeeds_layout_pipelined(precision: str, grad_accum: int, chunk: int):

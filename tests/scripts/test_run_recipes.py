@@ -10,7 +10,7 @@ from pathlib import Path
 
 from conftest import child_env
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench_recipes.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_recipes.py"
 
 
 def _dry_run(out: Path, *args: str) -> subprocess.CompletedProcess:

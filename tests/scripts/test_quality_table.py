@@ -8,7 +8,7 @@ import math
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))  # the scripts import their shared helpers (_harness)
 spec = importlib.util.spec_from_file_location("quality_table", ROOT / "scripts" / "quality_table.py")
 quality_table = importlib.util.module_from_spec(spec)

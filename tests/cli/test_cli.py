@@ -20,7 +20,7 @@ import pytest
 from conftest import child_env, run_main
 from fitone.cli import build_parser, main
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 # a fast CPU run of the tiny T5 for bad-input cases; a value of None drops the flag
 BASE = {"--model": "t5-tiny", "--from-scratch": True, "--device": "cpu", "--precision": "fp32", "--src-len": "8",
