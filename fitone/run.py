@@ -15,7 +15,8 @@ from typing import Any
 
 from fitone import ds_config, runtime
 from fitone.config import TrainConfig, resolve_precision
-from fitone.models import load_config, require_model, task_of
+from fitone.errors import ModelError
+from fitone.models import config_and_notes, from_scratch_hint, require_model, shipped_models, shipped_twin, task_of
 from fitone.runtime import DistInfo, Placement, Runtime
 from fitone.units import parse_size
 from fitone.zero2 import step_mode
@@ -36,6 +37,7 @@ class Run(Placement):
     ds_sections: dict[str, Any]  # the DeepSpeed config less its batch sizes and schedule (ds_config.sections)
     mode: StepMode
     cap_bytes: int | None  # --max-gpu-memory
+    config_notes: tuple[str, ...] = ()  # what the user is told about the config (a head added, a stand-in)
     micro_batch: int | None = None  # None until an 'auto' size is probed
     accumulation: int | None = None
     total_steps: int | None = None
@@ -87,7 +89,7 @@ def resolve_planned(cfg: TrainConfig, gpus: int) -> Run:
     """The decisions of a run on the card `fitone plan` plans for (a GPU unless --device cpu), on `gpus` ranks:
     nothing is read from this machine's GPU or distributed env."""
     require_model(cfg.model)
-    return _decide(cfg, "cpu" if cfg.device == "cpu" else "cuda", DistInfo(0, 0, gpus))
+    return _decide(cfg, "cpu" if cfg.device == "cpu" else "cuda", DistInfo(0, 0, gpus), planning=True)
 
 
 def start_runtime(cfg: TrainConfig) -> Run:
@@ -98,10 +100,11 @@ def start_runtime(cfg: TrainConfig) -> Run:
     return run
 
 
-def _decide(cfg: TrainConfig, device: str, dist: DistInfo) -> Run:
+def _decide(cfg: TrainConfig, device: str, dist: DistInfo, *, planning: bool = False) -> Run:
     on_gpu = device == "cuda"
     precision = resolve_precision(cfg.precision, on_gpu=on_gpu)
-    config = load_config(cfg.model, from_scratch=cfg.from_scratch)  # once per run: a config, no weights
+    # once per run: a config, no weights
+    config, notes = (_planned_config if planning else config_and_notes)(cfg.model, from_scratch=cfg.from_scratch)
     user = ds_config.read_user_config(cfg.ds_config) if cfg.ds_config else None
     sections = ds_config.sections(cfg, precision=precision, on_gpu=on_gpu, user=user)
     # which optimizer step: decided once (a flag it cannot honour refused) before any weights load
@@ -110,5 +113,22 @@ def _decide(cfg: TrainConfig, device: str, dist: DistInfo) -> Run:
                             world_size=dist.world_size, on_gpu=on_gpu)
     run = Run(settings=cfg, device=device, dist=dist, precision=precision, model_config=config,
               task=task_of(config), user_ds=user, ds_sections=sections, mode=mode,
-              cap_bytes=parse_size(cfg.max_gpu_memory, "--max-gpu-memory"))
+              cap_bytes=parse_size(cfg.max_gpu_memory, "--max-gpu-memory"), config_notes=tuple(notes))
     return run
+
+
+def _planned_config(name: str, *, from_scratch: bool) -> tuple[Any, list[str]]:
+    """The config a plan reads, and its notes. Planning needs the architecture, not the weights: a shipped name,
+    or the shipped twin of a hub id that is not on this machine, stands in for weights it does not have."""
+    if not from_scratch and name in shipped_models() and not os.path.exists(name):
+        config, notes = config_and_notes(name, from_scratch=True)
+        return config, [*notes, f"{name}: planned from fitone's shipped config (no weights needed)"]
+    try:
+        return config_and_notes(name, from_scratch=from_scratch)
+    except ModelError:
+        twin = None if from_scratch or os.path.exists(name) else shipped_twin(name)
+        if twin is None:
+            raise
+        config, notes = config_and_notes(twin, from_scratch=True)
+        return config, [*notes, f"{name} is not on this machine: planned from fitone's shipped {twin} config, its "
+                                f"architecture; training needs its weights, or random ones: {from_scratch_hint(twin)}"]

@@ -141,6 +141,7 @@ def _make_plan(run: Run, *, micro_batch: int | None, accumulation: int, gpu_limi
     """The plan of `run` at `micro_batch` (None: 'auto', the largest that fits) with `accumulation`."""
     cfg, config, on_gpu, gpus = run.settings, run.model_config, run.on_gpu, run.world_size
     shape, notes = model_shape(cfg, config)
+    notes = [*run.config_notes, *notes]
     lengths = Lengths(cfg.src_len, cfg.tgt_len) if shape.encoder_decoder else Lengths(cfg.seq_len, cfg.seq_len)
     if cfg.pack and shape.encoder_decoder:
         raise ConfigError(f"--pack is for causal LMs; {cfg.model} is seq2seq: drop --pack")

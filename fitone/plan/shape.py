@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from fitone.config import TrainConfig
@@ -43,13 +42,13 @@ def _first(config: Any, names: tuple[str, ...], default: Any = None) -> Any:
     return default
 
 
-def model_shape(cfg: TrainConfig, config: Any = None) -> tuple[ModelShape, list[str]]:
-    """Build the model on the meta device and read its sizes. Returns the shape and notes for the user.
-    `config`: the model config a caller (training) already loaded; else it is loaded here."""
+def model_shape(cfg: TrainConfig, config: Any) -> tuple[ModelShape, list[str]]:
+    """Build the model of `config` (the run's: fitone.run) on the meta device and read its sizes. Returns the
+    shape and notes for the user."""
     from fitone.models import require_model
 
     require_model(cfg.model)
-    key = (cfg.model, cfg.from_scratch, config.to_json_string() if config is not None else None)
+    key = (cfg.model, cfg.from_scratch, config.to_json_string())
     if key not in _SHAPES:  # building even a meta model takes a second; a plan asks often
         if len(_SHAPES) >= 16:
             _SHAPES.pop(next(iter(_SHAPES)))
@@ -61,27 +60,11 @@ def model_shape(cfg: TrainConfig, config: Any = None) -> tuple[ModelShape, list[
 _SHAPES: dict[tuple[str, bool, str | None], tuple[ModelShape, tuple[str, ...]]] = {}
 
 
-def _model_shape(name: str, from_scratch: bool, config: Any = None) -> tuple[ModelShape, tuple[str, ...]]:
-    from fitone.errors import ModelError
-    from fitone.models import build_model, config_and_notes, from_scratch_hint, shipped_models, shipped_twin
+def _model_shape(name: str, from_scratch: bool, config: Any) -> tuple[ModelShape, tuple[str, ...]]:
+    from fitone.models import build_model
     from fitone.packing import pack_refusal
 
-    notes: list[str] = []
-    local = Path(name).exists()
-    if config is None and not from_scratch and name in shipped_models() and not local:
-        # planning needs the architecture, not the weights: the shipped config is the same model
-        config, notes = config_and_notes(name, from_scratch=True)
-        notes.append(f"{name}: planned from fitone's shipped config (no weights needed)")
-    elif config is None:
-        try:
-            config, notes = config_and_notes(name, from_scratch=from_scratch)
-        except ModelError:
-            twin = None if from_scratch or local else shipped_twin(name)
-            if twin is None:
-                raise
-            config, notes = config_and_notes(twin, from_scratch=True)
-            notes.append(f"{name} is not on this machine: planned from fitone's shipped {twin} config, its "
-                         f"architecture; training needs its weights, or random ones: {from_scratch_hint(twin)}")
+    notes: list[str] = []  # the config's own notes are the run's (fitone.run: Run.config_notes)
     from transformers.initialization import no_init_weights
 
     with no_init_weights():  # shapes only: initialising billions of meta weights still costs seconds of CPU
