@@ -403,7 +403,8 @@ def test_batch_size_auto_loads_the_model_config_once_and_builds_the_runtime_once
     from fitone.plan import preflight as real_preflight
 
     loads, builds, preflights = [], [], []
-    real_load, real_build = models.load_config, run.resolve
+    # config_and_notes is what load_config and a run's resolve read a model config through
+    real_load, real_build = models.config_and_notes, run.resolve
 
     def counting_preflight(*args, **kwargs):
         preflights.append(args[0].micro_batch or 1)  # the Run it checks: 1 while 'auto' is unprobed
@@ -419,8 +420,8 @@ def test_batch_size_auto_loads_the_model_config_once_and_builds_the_runtime_once
 
     for name, module in list(sys.modules.items()):
         if name == "fitone" or name.startswith("fitone."):
-            if getattr(module, "load_config", None) is real_load:
-                monkeypatch.setattr(module, "load_config", counting_load)
+            if getattr(module, "config_and_notes", None) is real_load:
+                monkeypatch.setattr(module, "config_and_notes", counting_load)
             if getattr(module, "resolve", None) is real_build:
                 monkeypatch.setattr(module, "resolve", counting_build)
             if getattr(module, "preflight", None) is real_preflight:
