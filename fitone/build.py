@@ -16,17 +16,21 @@ from fitone.plan import unforeseen_oom
 from fitone.run import Run
 
 
-def build_model(run: Run, make: Callable[[], LoadedModel]) -> tuple[LoadedModel, str | None]:
-    """`make()`'s model (loaded weights, or the probe's random ones) prepared as training runs it; also the
-    fused loss's backend (None: the model's own loss)."""
+def prepare_for_training(run: Run, model: torch.nn.Module) -> str | None:
+    """`model` as training runs it (no KV cache, activation checkpointing, the fused loss); the fused loss's
+    backend (None: the model's own loss). The probe's random model is prepared the same way."""
     cfg = run.settings
-    with unforeseen_oom("model build", verbose=cfg.verbose):
+    model.config.use_cache = False  # training needs no KV cache; with one, packed rows go unseen
+    if cfg.activation_checkpointing:
+        enable_activation_checkpointing(model)
+    return fused_loss.prepare(model, device=run.device, precision=run.precision, enabled=cfg.fused_loss)
+
+
+def build_model(run: Run, make: Callable[[], LoadedModel]) -> tuple[LoadedModel, str | None]:
+    """`make()`'s model (loaded weights) prepared as training runs it; also the fused loss's backend."""
+    with unforeseen_oom("model build", verbose=run.settings.verbose):
         loaded = make()
-        loaded.model.config.use_cache = False  # training needs no KV cache; with one, packed rows go unseen
-        if cfg.activation_checkpointing:
-            enable_activation_checkpointing(loaded.model)
-        backend = fused_loss.prepare(loaded.model, device=run.device, precision=run.precision,
-                                     enabled=cfg.fused_loss)
+        backend = prepare_for_training(run, loaded.model)
     return loaded, backend
 
 
@@ -36,13 +40,3 @@ def build_engine(run: Run, model: torch.nn.Module, ds_config: dict[str, Any]) ->
     with unforeseen_oom("engine init", verbose=run.settings.verbose):
         return Engine(model, ds_config, **run.mode.engine_options())
 
-
-def build_model_and_engine(run: Run, make: Callable[[], LoadedModel], ds_config: dict[str, Any], *,
-                           on_model: Callable[[torch.nn.Module], None] | None = None,
-                           ) -> tuple[LoadedModel, Engine, str | None]:
-    """build_model, then (after `on_model(model)`, where given) build_engine: the model, the engine and the
-    fused loss's backend."""
-    loaded, backend = build_model(run, make)
-    if on_model is not None:
-        on_model(loaded.model)
-    return loaded, build_engine(run, loaded.model, ds_config), backend

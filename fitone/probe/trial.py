@@ -16,12 +16,12 @@ from typing import Any, Callable
 
 import torch
 
-from fitone import loss as fused_loss
 from fitone import memory
 from fitone.data import Dataset, load_dataset, worst_case_batch
 from fitone.ds_config import build_ds_config
 from fitone.engine import Engine
-from fitone.models import CAUSAL, enable_activation_checkpointing, load_tokenizer
+from fitone.build import prepare_for_training
+from fitone.models import CAUSAL, load_tokenizer
 from fitone.plan import unforeseen_oom
 from fitone.probe.results import TrialResult
 from fitone.random_init import build_random_model
@@ -83,11 +83,7 @@ class ProbeSession:
         start = time.perf_counter()
         with unforeseen_oom("model build", verbose=cfg.verbose):
             self.model = build_random_model(self.config, self.device, DTYPES[self.precision], cfg.seed)
-        self.model.config.use_cache = False  # as in training (packed rows are only seen without a KV cache)
-        if cfg.activation_checkpointing:
-            enable_activation_checkpointing(self.model)
-        self.loss_backend = fused_loss.prepare(self.model, device=self.device, precision=self.precision,
-                                               enabled=cfg.fused_loss)
+        self.loss_backend = prepare_for_training(self.run, self.model)  # as training runs it
         if self.on_model is not None:
             self.on_model(self.model)
         self.n_params = sum(p.numel() for p in self.model.parameters())
