@@ -1,6 +1,7 @@
 """Issue 19's measurement of one `fitone train` run: GPU init peak, host RSS (sampled every 0.2 s, with the
 phase it was in), tokens/s, the host bytes per parameter fitone's optimizer holds. Prints one JSON line
-(`BENCH7B {...}`) and writes it to $OUT/bench7b-<tag>.json.
+(`BENCH7B {...}`) and writes it to $OUT/bench7b-<tag>.json; every ~10 s it writes the record so far to
+$OUT/bench7b-<tag>.partial.json (removed at the end), which a run cut by a hard time limit leaves behind.
 
     python scripts/bench_train.py TAG -- train --recipe llama-7b/24gb model=llama-7b from_scratch=true \
         data=synthetic max_steps=21 save_every=20 out=/tmp/run --overwrite
@@ -48,9 +49,13 @@ def main(argv: list[str]) -> int:
     proc = psutil.Process()
     stop = threading.Event()
 
+    partial = Path(os.environ.get("OUT", ".")) / f"bench7b-{tag}.partial.json"
+
     def sample() -> None:
         while not stop.is_set():
             samples.append((time.time(), proc.memory_info().rss / GIB, phase[0]))
+            if len(samples) % 50 == 0:  # every ~10 s: what a run cut by a hard limit leaves behind
+                write_partial(partial, record, samples, fitone_args)
             stop.wait(0.2)
 
     def init_starts() -> None:
@@ -113,7 +118,18 @@ def main(argv: list[str]) -> int:
     print("BENCH7B " + json.dumps(record), flush=True)
     dest = Path(os.environ.get("OUT", ".")) / f"bench7b-{tag}.json"
     dest.write_text(json.dumps(record, indent=1))
+    partial.unlink(missing_ok=True)
     return 0
+
+
+def write_partial(dest: Path, record: dict, samples: list[tuple[float, float, str]], fitone_args: list[str]) -> None:
+    """The record so far (host peaks by phase, the steps' metrics), for a run killed before its end."""
+    try:
+        snapshot = {**record, "partial": True, **host_fields(list(samples), record.get("params")),
+                    **metrics_fields(fitone_args, record)}
+        dest.write_text(json.dumps(snapshot, indent=1))
+    except (OSError, ValueError):  # a metrics line being written, a full disk: the next snapshot tries again
+        pass
 
 
 def host_fields(samples: list[tuple[float, float, str]], params: int | None) -> dict:
