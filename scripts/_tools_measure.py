@@ -18,6 +18,8 @@ from _tools_split import EngineSplit, split_fields
 FITONE_VARIANTS = {"fitone-delayed": {"delayed_update": True, "delayed_update_after": 1},
                    "fitone-pipelined": {"pipelined_update": True},
                    "fitone-deepspeed-step": {"pipelined_update": False}}
+# fitone's defaults with Adam's 16-bit gradients widened in slices of this many elements (fitone.zero2.layout)
+WIDEN_VARIANTS = {"fitone-widen-2m": 2**21, "fitone-widen-8m": 2**23}
 
 
 def measure_fitone(job: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -26,7 +28,8 @@ def measure_fitone(job: dict[str, Any]) -> Iterator[dict[str, Any]]:
 
     `fitone` runs fitone's defaults (on one GPU: the pipelined update); fitone-deepspeed-step /
     fitone-pipelined / fitone-delayed force DeepSpeed's step, the pipelined update, or the delayed update
-    from the second step. The split detail only for DeepSpeed's step: an overlapped update's CPU work runs
+    from the second step; fitone-widen-2m / -8m widen Adam's 16-bit gradients in slices of that many
+    elements instead of a whole chunk. The split detail only for DeepSpeed's step: an overlapped update's CPU work runs
     beside the next step's GPU work; its split has the update's own counters instead (update_cpu_adam_s,
     update_thread_s, update_wait_s). With --grad-accum K, global_batch = micro x K: a step is K
     micro-batches. peak_gpu_init_gib is the harness's reading over fitone's whole Engine construction;
@@ -43,6 +46,10 @@ def measure_fitone(job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     op_load_s = load_cpu_adam()
     warm, timed, extra = job["warmup"], job["steps"], job["split_steps"]
     options = dict(FITONE_VARIANTS.get(job["tool"], {}))
+    if job["tool"] in WIDEN_VARIANTS:
+        from fitone.zero2 import layout
+
+        layout.WIDEN_ELEMENTS = WIDEN_VARIANTS[job["tool"]]  # read when the engine builds its LeanHost
     accum = job.get("grad_accum", 1)
     if accum > 1:
         options["global_batch"] = size * accum

@@ -1,8 +1,11 @@
 """DeepSpeedCPUAdam against PyTorch's fused CPU AdamW (what fitone.zero2.overlap uses) on one flat fp32 tensor.
 
-Median of 5 steps after one warm-up step, and the largest weight difference after them.
+Median of 5 steps after one warm-up step, and the largest weight difference after them. With `--slices`,
+instead: the lean layout's update from 16-bit gradients (widen a slice into an fp32 scratch, then fused AdamW
+on it) at each slice size, to see what a scratch that stays in the CPU's cache saves (bench/NOTES.md).
 
     python scripts/bench_cpu_adam.py --elements 100000000
+    python scripts/bench_cpu_adam.py --elements 100000000 --slices 33554432,4194304,1048576
 """
 
 from __future__ import annotations
@@ -21,7 +24,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--elements", type=int, default=100_000_000)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--slices", default=None, help="comma-separated slice sizes (elements): time the widening + "
+                    "AdamW from bf16 gradients at each")
     args = ap.parse_args()
+    if args.slices:
+        return widened(args.elements, [int(x) for x in args.slices.split(",")], args.steps)
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/fitone/torch_extensions"))
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
@@ -48,6 +55,32 @@ def main() -> None:
         print(f"{name:22s} {statistics.median(times):.4f} s per step over {n:,} elements "
               f"({torch.get_num_threads()} threads)")
     print(f"largest weight difference after {args.steps + 1} steps: {(ds_param.data - param).abs().max().item():.2e}")
+
+
+def widened(n: int, slices: list[int], steps: int) -> None:
+    """Fused AdamW over n elements from bf16 gradients, widened into an fp32 scratch `size` elements at a time;
+    the weights after the steps are compared bit for bit across slice sizes (the update is elementwise)."""
+    torch.manual_seed(0)
+    start, grad16 = torch.randn(n), (torch.randn(n) * 1e-3).bfloat16()
+    results = {}
+    for size in slices:
+        param, m, v, scratch = start.clone(), torch.zeros(n), torch.zeros(n), torch.empty(size)
+        step, times = torch.tensor(0.0), []
+        for k in range(steps + 1):
+            step.add_(1)
+            t0 = time.perf_counter()
+            for lo in range(0, n, size):
+                hi = min(lo + size, n)
+                g = scratch[:hi - lo].copy_(grad16[lo:hi])
+                torch._fused_adamw_([param[lo:hi]], [g], [m[lo:hi]], [v[lo:hi]], [], [step], lr=1e-3, beta1=0.9,
+                                    beta2=0.999, weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False)
+            if k:  # the first pass warms the pages
+                times.append(time.perf_counter() - t0)
+        results[size] = param
+        print(f"slices of {size:>11,}: {statistics.median(times):.4f} s per step over {n:,} elements "
+              f"({torch.get_num_threads()} threads)", flush=True)
+    first = next(iter(results.values()))
+    print("weights bit-identical across slice sizes:", all(torch.equal(first, w) for w in results.values()))
 
 
 if __name__ == "__main__":

@@ -43,11 +43,11 @@ from _tools_child import PARTIAL, RECORD
 __all__ = ["resolve_out"]  # the results file's name, tested here
 
 TOOLS = ("fitone", "deepspeed", "hf-trainer", "torch-plain", "torch-plain-uncapped", "hf-trainer-auto-find",
-         "fitone-delayed", "fitone-pipelined", "fitone-deepspeed-step")
+         "fitone-delayed", "fitone-pipelined", "fitone-deepspeed-step", "fitone-widen-2m", "fitone-widen-8m")
 DEFAULT_TOOLS = TOOLS[:5]
 REUSABLE = {"deepspeed", "torch-plain", "torch-plain-uncapped"}  # one engine/model serves every size (--same-process)
 CAPPED = {"fitone", "deepspeed", "hf-trainer", "torch-plain", "hf-trainer-auto-find", "fitone-delayed",
-          "fitone-pipelined", "fitone-deepspeed-step"}
+          "fitone-pipelined", "fitone-deepspeed-step", "fitone-widen-2m", "fitone-widen-8m"}
 QUICK = {"model": "t5-large", "batch_sizes": [16, 64], "tools": ["fitone", "deepspeed"]}
 
 # The fields every record has, in this order (measured ones are None where a run did not get that far).
@@ -56,7 +56,8 @@ FIELDS = ("tool", "model", "params", "precision", "src_len", "tgt_len", "seq_len
           "grad_accum", "step_s", "step_s_spread", "samples_per_s", "tokens_per_s", "peak_gpu_gib", "peak_host_gib",
           "init_s", "oom", "error", "gpu", "date", "command")
 # tools that take --grad-accum above 1 (the others' loops have no accumulation)
-ACCUMULATING = {"deepspeed", "fitone", "fitone-delayed", "fitone-pipelined", "fitone-deepspeed-step"}
+ACCUMULATING = {"deepspeed", "fitone", "fitone-delayed", "fitone-pipelined", "fitone-deepspeed-step",
+                "fitone-widen-2m", "fitone-widen-8m"}
 LENGTHS = {"src_len": 128, "tgt_len": 128, "seq_len": 512}  # fitone's TrainConfig defaults (a test checks)
 
 

@@ -287,8 +287,8 @@ def _host_components(st: _Setup, offload: bool) -> list[Component]:
             Component("Adam m and v", "optimizer", 8 * part, "8 B/param, DeepSpeedCPUAdam states"),
         ]
         if w < 4:
-            comps.append(Component("fp32 gradient chunk", "buffers", 4 * min(part, layout.CHUNK_ELEMENTS),
-                                   "the gradients widened for Adam one chunk at a time"))
+            comps.append(Component("fp32 gradient chunk", "buffers", 4 * min(part, layout.WIDEN_ELEMENTS),
+                                   "the gradients widened for Adam a slice at a time"))
         return comps + [Component("process baseline", "overhead", baseline, "python, torch, CUDA, DeepSpeed")]
     pin = _pow2 if st.pin_memory else (lambda x: x)
     pinned = " pinned" if st.pin_memory else ""

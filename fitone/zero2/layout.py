@@ -22,7 +22,10 @@ from typing import Any, Iterator
 import torch
 
 GROUP_ELEMENTS = 2**27  # 256 MiB of 16-bit weights per group: the init peak's extra is about two of these
-CHUNK_ELEMENTS = 32 * 2**20  # the lean layout's unit of work on its gradients: the GPU sums, the fp32 upcast
+CHUNK_ELEMENTS = 32 * 2**20  # the lean layout's unit of work on its gradients: the GPU sums, the uploads
+# 16-bit gradients are widened for Adam this many at a time (a chunk's fp32 scratch goes to memory and back;
+# a slice that stays in cache is faster only on a quiet CPU: bench/NOTES.md, 2026-12-02, not yet measured on a GPU)
+WIDEN_ELEMENTS = CHUNK_ELEMENTS
 # a gradient larger than this is normed in pieces of it (LeanHost._lean_norm): only embeddings of large
 # vocabularies are; every smaller one keeps DeepSpeed's norm bit for bit
 NORM_CHUNK_ELEMENTS = CHUNK_ELEMENTS
@@ -77,7 +80,7 @@ class LeanHost:
 
     - The gradients (`gradients`, one flat buffer per group) are the 16-bit values DeepSpeed would have
       widened to fp32 on the GPU before the copy (`grad16.float()`), so they say the same numbers in half the
-      bytes. Adam reads them through `fp32_gradient`, a chunk at a time widened into one fp32 scratch chunk.
+      bytes. Adam reads them through `fp32_gradient`, `widen_elements` at a time widened into one fp32 scratch.
     - Between micro-batches the 16-bit sum so far lives in the parameter's slot of those buffers (DeepSpeed
       keeps a host buffer of its own per parameter, and creates one only where none is registered), and is
       overwritten by the whole step's gradient at the boundary, as DeepSpeed's boundary copy overwrites it.
@@ -91,7 +94,7 @@ class LeanHost:
     One rank only (the pipelined update's case), where every parameter lies whole in the partition.
     """
 
-    def __init__(self, optimizer: Any, chunk_elements: int | None = None):
+    def __init__(self, optimizer: Any, chunk_elements: int | None = None, widen_elements: int | None = None):
         if not getattr(optimizer, "cpu_offload", False) or optimizer.cpu_offload_pin_memory:
             raise ValueError("the lean host layout needs ZeRO-2's CPU offload built with pin_memory false")
         if optimizer.gradient_accumulation_dtype != optimizer.dtype:
@@ -99,6 +102,7 @@ class LeanHost:
                              "drop data_types.grad_accum_dtype from the DeepSpeed config")
         self.opt = optimizer
         self.chunk_elements = chunk_elements or CHUNK_ELEMENTS
+        self.widen_elements = min(widen_elements or WIDEN_ELEMENTS, self.chunk_elements)
         self._registered: list[int] = []  # host addresses page-locked here, unregistered in close()
         self._release_unused_buffers()
         self.gradients = self._gradient_buffers()
@@ -150,7 +154,12 @@ class LeanHost:
         if all(g.dtype == torch.float32 for g in self.gradients):
             return None
         largest = max(g.numel() for g in self.gradients)
-        return torch.empty(min(largest, self.chunk_elements), dtype=torch.float32)
+        return torch.empty(min(largest, self.widen_elements), dtype=torch.float32)
+
+    @property
+    def widens(self) -> bool:
+        """Whether Adam's gradients are widened from 16 bits (at most `widen_elements` per `fp32_gradient`)."""
+        return self._upcast is not None
 
     def _offload_gradient_dict(self) -> None:
         """DeepSpeed's per-parameter views of the host gradients (`_get_offload_gradient_dict`, what
@@ -262,7 +271,7 @@ class LeanHost:
 
     # -- what the update reads ------------------------------------------------------------------------
     def fp32_gradient(self, i: int, lo: int, hi: int) -> torch.Tensor:
-        """Elements [lo, hi) of group i's gradient in fp32 (at most `chunk_elements` of them): the buffer
+        """Elements [lo, hi) of group i's gradient in fp32 (at most `widen_elements` of them): the buffer
         itself in fp32 training, else widened into the one scratch chunk, valid until the next call. The
         widening is exact: every 16-bit number is an fp32 number."""
         grads = self.gradients[i][lo:hi]

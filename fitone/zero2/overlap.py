@@ -201,11 +201,13 @@ class PipelinedUpdate(OverlappedStep):
             self.close()
             raise ValueError("the pipelined update runs on one GPU (one rank)")
         chunk_elements = chunk_elements or (host.chunk_elements if host is not None else UPLOAD_CHUNK)
-        if host is not None and (chunk_elements % SIMD_BLOCK or chunk_elements > host.chunk_elements
+        if host is not None and (chunk_elements % SIMD_BLOCK or host.widen_elements % SIMD_BLOCK
+                                 or chunk_elements > host.chunk_elements
                                  or not hasattr(optimizer.optimizer, "ds_opt_adam")):
             self.close()
-            raise ValueError(f"the pipelined update on the lean layout runs DeepSpeedCPUAdam in chunks of a "
-                             f"multiple of {SIMD_BLOCK} elements, at most the layout's {host.chunk_elements}")
+            raise ValueError(f"the pipelined update on the lean layout runs DeepSpeedCPUAdam in chunks and "
+                             f"widened slices of a multiple of {SIMD_BLOCK} elements, chunks at most the "
+                             f"layout's {host.chunk_elements}")
         self.host = host
         self.chunks = self._plan_chunks(chunk_elements)  # per group: chunk ends (exclusive), ascending
         self.ready: list[list[threading.Event]] = []  # per group and chunk: set by the thread when uploaded
@@ -331,13 +333,16 @@ class PipelinedUpdate(OverlappedStep):
                 self._side.wait_event(backward_done)
             start = time.perf_counter()
             adam_s = 0.0
+            widen = self.host.widen_elements if grads is None and self.host.widens else None
             k = 0  # chunks uploaded: alternates the two landing buffers
             for i, master in enumerate(opt.single_partition_of_fp32_groups):
                 target = opt.parallel_partitioned_bit16_groups[i][0]
                 lo = 0
                 for c, hi in enumerate(self.chunks[i]):
                     t0 = time.perf_counter()
-                    kernel(i, self._gradient(grads, i, lo, hi), scale, hyper[i], steps[i], lo, hi)
+                    for a in range(lo, hi, widen or hi - lo):  # Adam on each slice while its widening is in cache
+                        b = min(a + widen, hi) if widen else hi
+                        kernel(i, self._gradient(grads, i, a, b), scale, hyper[i], steps[i], a, b)
                     adam_s += time.perf_counter() - t0
                     if self._side is not None:  # the side stream runs chunks in order: a landing buffer is
                         landing = self._landing[k % 2][:hi - lo]  # free once the cast two chunks back is done

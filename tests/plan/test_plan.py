@@ -55,16 +55,16 @@ def test_t5_3b_model_states_by_value():
 
 def test_the_lean_host_layout_holds_fourteen_bytes_a_parameter_and_one_fp32_chunk():
     """Under the pipelined update (the default on one GPU; fitone.zero2.layout): fp32 master 4 + 16-bit
-    gradients 2 + Adam's moments 8 B/param, one fp32 chunk (2^25 elements) the gradients are widened into
-    for Adam, the process; no weight staging, no buffer for the largest parameter, nothing pinned by
-    PyTorch, so no rounding. fp32 training keeps fp32 gradients and needs no chunk."""
-    from fitone.zero2.layout import CHUNK_ELEMENTS
+    gradients 2 + Adam's moments 8 B/param, one fp32 scratch (2^25 elements) the gradients are widened into
+    for Adam a slice at a time, the process; no weight staging, no buffer for the largest parameter, nothing
+    pinned by PyTorch, so no rounding. fp32 training keeps fp32 gradients and needs no scratch."""
+    from fitone.zero2.layout import WIDEN_ELEMENTS
 
     p = plan(**T5_3B, gpu_mem="24GiB", host_mem="256GiB")
     n = p.n_params
     assert part(p, "host", "fp32 master weights") == 4 * n and part(p, "host", "gradients") == 2 * n
     assert part(p, "host", "Adam m and v") == 8 * n
-    assert part(p, "host", "fp32 gradient chunk") == 4 * CHUNK_ELEMENTS == 4 * 2**25
+    assert part(p, "host", "fp32 gradient chunk") == 4 * WIDEN_ELEMENTS == 4 * 2**25
     assert {c.name for c in p.host} == {"fp32 master weights", "gradients", "Adam m and v", "fp32 gradient chunk",
                                         "process baseline"}
     assert p.host_total == 14 * n + 4 * 2**25 + 2 * GIB  # + the process baseline

@@ -149,6 +149,15 @@ def test_the_update_modes_run_as_their_own_tools(tmp_path):
     assert f"| {pipelined['split']['update_wait_s']:.3f} |" in rendered
 
 
+def test_the_widening_variants_are_fitone_tools_that_cap_and_accumulate():
+    """fitone-widen-2m / -8m (Adam's 16-bit gradients widened in slices; a GPU A/B, bench/NOTES.md) run
+    fitone's defaults, capped and with --grad-accum, as the tool `fitone` does."""
+    assert set(measure.WIDEN_VARIANTS) == {"fitone-widen-2m", "fitone-widen-8m"}
+    for tool, elements in measure.WIDEN_VARIANTS.items():
+        assert tool in bench.TOOLS and tool in bench.CAPPED and tool in bench.ACCUMULATING
+        assert tool not in measure.FITONE_VARIANTS and elements % 256 == 0  # whole SIMD blocks (zero2.overlap)
+
+
 def test_a_child_that_times_out_leaves_an_error_record_and_the_file(tmp_path):
     out = tmp_path / "r.json"
     proc = _run(["--tools", "deepspeed", *SMOKE, "--out", str(out), "--timeout", "2"], timeout=120)

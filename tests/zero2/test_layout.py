@@ -165,7 +165,8 @@ def test_the_lean_layout_trains_bit_for_bit_as_deepspeeds_layout(monkeypatch, pr
     every loss, the module's weights, the fp32 masters and Adam's moments equal, to the last bit, those of the
     same update on DeepSpeed's own layout (fp32 gradient buffers, its own first step), which is what the lean
     layout computed before its gradients went to 16 bits. Many groups and small chunks, so that the first
-    step's chunked DeepSpeedCPUAdam, the widening per chunk and the chunked sums all run; clipped (norm > 1)."""
+    step's chunked DeepSpeedCPUAdam, the widening in slices of a quarter chunk (Adam on each slice) and the
+    chunked sums all run; clipped (norm > 1)."""
     monkeypatch.setattr(layout, "GROUP_ELEMENTS", SMALL_GROUPS)
     plain = deepspeeds_layout_pipelined(precision, grad_accum=3, chunk=SMALL_CHUNKS)
     try:
@@ -177,8 +178,15 @@ def test_the_lean_layout_trains_bit_for_bit_as_deepspeeds_layout(monkeypatch, pr
     try:
         assert lean.overlap.host is lean.host and lean.overlap.applied == 0
         assert len(lean.optimizer.bit16_groups) > 10 and max(len(ends) for ends in lean.overlap.chunks) > 2
+        widened, widen = [], lean.host.fp32_gradient
+        monkeypatch.setattr(lean.host, "fp32_gradient", lambda i, lo, hi: widened.append(hi - lo) or widen(i, lo, hi))
         got = train_and_keep(lean, 5, grad_accum=3)
         assert lean.overlap.applied == 5
+        if precision == "bf16":  # Adam read the gradients a slice at a time, never a chunk at once
+            assert lean.host.widens and lean.host.widen_elements == SMALL_CHUNKS // 4
+            assert max(widened) == SMALL_CHUNKS // 4 and len(widened) > 5 * sum(map(len, lean.overlap.chunks))
+        else:
+            assert not lean.host.widens  # fp32 gradients are Adam's as they are
     finally:
         lean.close()
     losses, module, masters, moments = got
@@ -242,7 +250,7 @@ def test_the_lean_layout_holds_sixteen_bit_gradients_and_nothing_the_size_of_the
         train(engine, 2, grad_accum=2)  # pipelined steps
         assert fp32_group_sized(opt, before) == []
         assert host.host_bytes() == {"fp32 master": 4 * n, "gradients": 2 * n, "Adam moments": 8 * n,
-                                     "fp32 upcast": 4 * SMALL_CHUNKS}
+                                     "fp32 upcast": 4 * SMALL_CHUNKS // 4}  # one widened slice
     finally:
         engine.close()
 
