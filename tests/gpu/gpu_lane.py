@@ -6,6 +6,7 @@ test in it is skipped, so the CPU suite and CI count them as skipped.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import socket
@@ -44,11 +45,15 @@ def gpu_engine(precision: str, *, pipelined: bool, grad_accum: int = 1):
     a varying order) and differ only where their optimizer steps do. `grad_accum` micro-batches a step."""
     from fitone.ds_config import build_ds_config
     from fitone.engine import Engine
-    from fitone.run import start_runtime
     from fitone.models import build_model, load_config
+    from fitone.run import resolve
 
     cfg = gpu_settings(precision, grad_accum=grad_accum)
-    run = start_runtime(cfg)
+    run = resolve(cfg)
+    runtime = run.runtime()
+    runtime.start()
+    # the first engine's runtime made the process group: destroyed at the lane's exit, where NCCL would warn
+    atexit.register(runtime.close)
     config = load_config(MODEL, from_scratch=True)
     config.resid_pdrop = config.embd_pdrop = config.attn_pdrop = 0.0
     config._attn_implementation = "eager"
