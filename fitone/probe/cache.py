@@ -113,14 +113,19 @@ def capped_key(key: dict[str, Any]) -> dict[str, Any]:
     return {**key, "capped": True}
 
 
-def read_cached(key: dict[str, Any], search: dict[str, Any] | None = None, *,
-                full_only: bool = False) -> ProbeResult | None:
+def read_cached(key: dict[str, Any], search: dict[str, Any] | None = None, *, full_only: bool = False,
+                choice: dict[str, Any] | None = None) -> ProbeResult | None:
     """The saved result for `key` (and these search settings, when given); None if there is none.
-    `full_only`: None for a capped probe too (one saved before capped probes had their own key)."""
+    `full_only`: None for a capped probe too (one saved before capped probes had their own key).
+    `choice`: only a result whose search settings hold these (api.choice_key: how it chose; a probe saved
+    before issue 29 chose the largest)."""
     path = cache_path(key)
     try:
         entry = json.loads(path.read_text())
         if entry["key"] != key or (search is not None and entry["search"] != search):
+            return None
+        saved = {"prefer": "largest", **entry["search"]}
+        if choice is not None and any(saved.get(k) != v for k, v in choice.items()):
             return None
         result = ProbeResult.from_dict(entry["result"])
         if full_only and result.meta.get("capped", all(t.fits for t in result.trials)
