@@ -172,13 +172,19 @@ def probe_table(r: ProbeResult) -> str:
 
 
 def probe_choice_line(r: ProbeResult) -> str:
-    """'train with: micro-batch 32 x 3 accumulation steps (for --global-batch 96: the most samples/s of 3 timed)'."""
+    """'train with: micro-batch 32 x 3 accumulation steps (for --global-batch 96: the most samples/s of 3 timed
+    within the margin; --prefer-batch throughput)'."""
     per_step = f"for --global-batch {r.global_batch}: " if r.global_batch is not None else ""
-    timed = r.candidates()
-    why = (f"the most samples/s of {len(timed)} timed, within the margin" if r.prefer == "throughput" and timed
-           else "the largest within the margin" + (" that divides it" if r.global_batch is not None else ""))
     return (f"train with: micro-batch {r.micro_batch} x {r.accumulation} accumulation "
-            f"step{'s' if r.accumulation != 1 else ''} ({per_step}{why}; --prefer-batch {r.prefer})")
+            f"step{'s' if r.accumulation != 1 else ''} ({per_step}{choice_reason(r)}; --prefer-batch {r.prefer})")
+
+
+def choice_reason(r: ProbeResult) -> str:
+    """Why the probe's micro-batch x accumulation: 'the most samples/s of 3 timed within the margin', ..."""
+    timed = r.candidates()
+    if r.prefer == "throughput" and timed:
+        return f"the most samples/s of {len(timed)} timed within the margin"
+    return "the largest within the margin" + (" that divides it" if r.global_batch is not None else "")
 
 
 def plot_probe(r: ProbeResult, path: str | Path) -> Path:

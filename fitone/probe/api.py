@@ -23,7 +23,7 @@ from fitone.probe.results import ProbeResult, TrialResult
 from fitone.probe.search import (DEFAULT_MAX_BATCH, DEFAULT_MARGIN, DEFAULT_MAX_TRIALS, DEFAULT_VERIFY_STEPS,
                                   check_arguments, search_batch_size)
 from fitone.probe.trial import ProbeSession, Say
-from fitone.render import plot_probe
+from fitone.render import choice_reason, plot_probe
 from fitone.run import Run, resolve
 from fitone.runtime import Runtime
 
@@ -162,8 +162,10 @@ def batch_size_for_training(run: Run, runtime: Runtime, say: Say = print) -> int
         say(f"--batch-size auto: reusing the probe saved {result.meta.get('date', '')} in "
             f"{result.meta['cache_file']}")
     elif world_size > 1:
+        share = choice_key(run).get("global_batch")  # a throughput choice is timed for each GPU's share
+        per_gpu = f", --global-batch {share} (this run's per GPU)" if share is not None else ""
         raise ConfigError(f"--batch-size auto under {world_size} ranks needs a saved one-GPU probe: run "
-                          "`fitone probe-batch` with the same model, lengths, precision, cap and "
+                          f"`fitone probe-batch` with the same model, lengths, precision, cap{per_gpu} and "
                           "--[no-]pipelined-update flag without a launcher first (or pass --batch-size N)")
     else:
         say("--batch-size auto: no saved probe for this model, precision, lengths, GPU and cap: probing first")
@@ -171,15 +173,15 @@ def batch_size_for_training(run: Run, runtime: Runtime, say: Say = print) -> int
         result = probe_on(run, runtime, use_cache=False, say=say, for_training=True, began=began)
     if cfg.prefer_batch == "largest":  # untimed: made from any saved search, for this run's global batch
         _choose(result, run, None, steps=0, say=say)
-    how = f"largest fit {result.largest_fit}, {result.margin * 100:g}% margin"
+    how = (f"{choice_reason(result)}: largest fit {result.largest_fit} less a {result.margin * 100:g}% margin "
+           f"is {result.chosen}")
     micro, accum = result.micro_batch, result.accumulation
-    why = ("the most samples/s timed" if result.prefer == "throughput" else "the largest that divides it"
-           if cfg.global_batch is not None else "the largest")
     if cfg.global_batch is not None:
         say(f"--batch-size auto: micro-batch {micro} x {accum} accumulation steps = --global-batch "
-            f"{cfg.global_batch} ({why}; probe chose {result.chosen}; {how})")
+            f"{cfg.global_batch} ({how})")
         return micro
-    say(f"--batch-size auto: micro-batch {micro} ({why}; {how})")
+    say(f"--batch-size auto: micro-batch {micro}" + (f" x {accum} accumulation steps" if accum > 1 else "")
+        + f" ({how})")
     return micro
 
 
