@@ -156,7 +156,7 @@ def probe_table(r: ProbeResult) -> str:
         if t.purpose in ("verify", "throughput"):
             result += " " + ("verify" if t.purpose == "verify" else "timed")
         peak = gib(t.peak_gpu_bytes) if t.peak_gpu_bytes is not None else None
-        rows.append(f"{t.size:>9}  {result:<16} {number(peak, 2):>12} {number(t.step_s, 2):>8} "
+        rows.append(f"{t.label:>9}  {result:<16} {number(peak, 2):>12} {number(t.step_s, 2):>8} "
                     f"{number(t.samples_per_s, 1):>10}")
     oom = f" ({r.smallest_oom} ran out of memory)" if r.smallest_oom is not None else ""
     rows.append(f"largest fit: {r.largest_fit}{oom}, granularity {r.granularity}")
@@ -221,7 +221,7 @@ def plot_probe(r: ProbeResult, path: str | Path) -> Path:
                                         marker="*", s=140, color="tab:olive", zorder=6,
                                         label="timed for the choice (micro-batch x accumulation)"))
         for t in timed_pairs:
-            speed_ax.annotate(t.size, (t.batch_size, t.samples_per_s), textcoords="offset points", xytext=(6, -10),
+            speed_ax.annotate(t.label, (t.batch_size, t.samples_per_s), textcoords="offset points", xytext=(6, -10),
                               fontsize=8, color="tab:olive")
     if ooms:
         oom_y = gib(r.cap_bytes) if r.cap_bytes else top

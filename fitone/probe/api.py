@@ -129,9 +129,9 @@ def choice_key(run: Run) -> dict[str, Any]:
     """What decides the choice beyond the memory search: the preference and, for a throughput choice (timed),
     the samples per optimizer step on one GPU (--global-batch over the ranks) or the fixed accumulation."""
     cfg = run.settings
+    cfg.accumulation(1, run.world_size)  # a --global-batch the ranks do not split: refused before any trial
     if cfg.prefer_batch == "largest":  # no timing: made again from the saved search for any global batch
         return {"prefer": "largest"}
-    cfg.accumulation(1, run.world_size)  # a --global-batch the ranks do not split: refused here, in its words
     if cfg.global_batch is not None:
         return {"prefer": "throughput", "global_batch": cfg.global_batch // run.world_size}
     return {"prefer": "throughput", "accumulation": cfg.accumulation(1)}

@@ -103,10 +103,10 @@ def _fastest(result: ProbeResult, shortlist: list[tuple[int, int]], *, time_step
         return shortlist[0]
     best = max(timed, key=lambda t: (t.samples_per_s, t.batch_size))
     if best is largest or best.samples_per_s < largest.samples_per_s * (1 + TOLERANCE):
-        log(f"choosing {largest.size}: the most samples/s ({largest.samples_per_s:.1f}) within "
+        log(f"choosing {largest.label}: the most samples/s ({largest.samples_per_s:.1f}) within "
             f"{TOLERANCE:.0%} is the largest micro-batch")
         return shortlist[0]
     gain = best.samples_per_s / largest.samples_per_s - 1
-    log(f"choosing {best.size}: {best.samples_per_s:.1f} samples/s, {gain:.0%} more than {largest.size} "
+    log(f"choosing {best.label}: {best.samples_per_s:.1f} samples/s, {gain:.0%} more than {largest.label} "
         f"({largest.samples_per_s:.1f})")
     return best.batch_size, best.accumulation

@@ -38,17 +38,17 @@ class TrialResult:
             self.samples_per_s = self.batch_size * self.accumulation / self.step_s
 
     @property
-    def size(self) -> str:
+    def label(self) -> str:
         """'64', or '16 x 4' for micro-batch 16 with 4 accumulation steps."""
         return f"{self.batch_size}" + (f" x {self.accumulation}" if self.accumulation > 1 else "")
 
     def outcome(self) -> str:
         """'64 fits: 9.3 GiB peak, 29.8 samples/s' or '256 out of memory in backward'."""
         if not self.fits:
-            return f"{self.size} out of memory" + (f" in {self.oom_phase}" if self.oom_phase else "")
+            return f"{self.label} out of memory" + (f" in {self.oom_phase}" if self.oom_phase else "")
         peak = f"{gib(self.peak_gpu_bytes):.1f} GiB peak" if self.peak_gpu_bytes is not None else "peak not measured"
         speed = f", {self.samples_per_s:.1f} samples/s" if self.samples_per_s is not None else ""
-        return f"{self.size} fits: {peak}{speed}"
+        return f"{self.label} fits: {peak}{speed}"
 
 
 @dataclass(repr=False)

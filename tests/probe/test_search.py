@@ -427,6 +427,7 @@ def test_the_choice_round_trips_through_json_and_into_a_recipe(tmp_path):
     assert [(t["batch_size"], t["accumulation"]) for t in saved["trials"] if t["purpose"] == "throughput"] == \
         [(48, 2), (32, 3), (16, 6)]
     assert ProbeResult.load_json(tmp_path / "probe.json") == result
+    assert result.plot(tmp_path / "probe.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # with the timed pairs
     recipe = tmp_path / "mine.yaml"
     recipe.write_text("# mine\nmodel: t5-3b\nbatch_size: 8  # per GPU\n")
     save_to_recipe(result, recipe)
