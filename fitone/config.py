@@ -24,6 +24,7 @@ OFFLOADS = ("cpu", "none")
 DEVICES = ("auto", "cuda", "cpu")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 REPORT_TO = ("tensorboard", "wandb")
+PREFER_BATCH = ("throughput", "largest")  # what --batch-size auto and probe-batch choose (fitone.probe.choice)
 
 def resolve_precision(precision: str, on_gpu: bool) -> str:
     """'auto' (the default) is fp16 with loss scaling on a GPU and fp32 on the CPU, where DeepSpeed refuses fp16."""
@@ -61,6 +62,7 @@ class TrainConfig:
     batch_size: int | str = 8
     grad_accum: int | None = None
     global_batch: int | None = None
+    prefer_batch: str = "throughput"  # --batch-size auto: the most samples/s, or the largest micro-batch
     lr: float = 1e-4
     warmup_steps: int = 0
     lr_schedule: str = "constant"
@@ -171,7 +173,8 @@ class TrainConfig:
             _positive_int("batch_size", self.batch_size, hint="or 'auto' to probe for it")
         if self.grad_accum is not None and self.global_batch is not None:
             raise ConfigError("give --grad-accum or --global-batch, not both (one is derived from the other)")
-        for name, choices in (("precision", PRECISIONS), ("lr_schedule", LR_SCHEDULES), ("offload", OFFLOADS)):
+        for name, choices in (("precision", PRECISIONS), ("lr_schedule", LR_SCHEDULES), ("offload", OFFLOADS),
+                              ("prefer_batch", PREFER_BATCH)):
             _one_of(name, getattr(self, name), choices)
         self._check_update_modes()
         _one_of("device", self.device, DEVICES)

@@ -98,6 +98,15 @@ class Engine:
         if boundary:
             self.timer.step_done(self.last_step_applied, self.overlap.last_timing if self.overlap else None)
 
+    def accumulating(self, steps: int) -> contextlib.AbstractContextManager:
+        """`steps` micro-steps to an optimizer step on this engine, built for 1 (the probe times pairs on one
+        engine); yields `before_micro_step(i)`, to call before each forward (fitone.zero2.accumulation)."""
+        if steps == 1:
+            return contextlib.nullcontext(lambda _i: None)
+        from fitone.zero2.accumulation import accumulating
+
+        return accumulating(self.ds, self.optimizer, steps)
+
     @property
     def skipped_steps(self) -> int:
         return self.ds.skipped_steps

@@ -184,37 +184,40 @@ def _numbers(values: dict[str, Any]) -> dict[str, Any]:
 
 
 def save_to_recipe(result: ProbeResult, recipe_path: str | Path) -> Path:
-    """Write `batch_size: N` into a recipe YAML, in place, keeping its comments; say what was measured.
+    """Write `batch_size: N` (the probe's micro-batch to train with) into a recipe YAML, in place, keeping its
+    comments; say what was measured.
 
-    The value of a top-level `batch_size:` line is replaced (its inline comment kept) or the line is
-    added; a `# probe-batch: ...` line at the end of the header comment records the measurement. A file
-    that does not exist yet becomes a recipe of the probed settings.
+    The value of a top-level `batch_size:` line is replaced (its inline comment kept) or the line is added;
+    so is `global_batch:` where the choice was made for one the file does not hold (the user's --global-batch
+    is kept: every candidate divides it), or `grad_accum:` for a fixed accumulation the file lacks. A
+    `# probe-batch: ...` line at the end of the header comment records the measurement. A file that does not
+    exist yet becomes a recipe of the probed settings.
     """
     path = Path(recipe_path)
-    note = f"# probe-batch: {_measured(result)}"
+    micro = result.micro_batch if result.micro_batch is not None else result.chosen
+    note = f"# probe-batch: {_measured(result, micro)}"
     if path.exists():
         lines = path.read_text().splitlines()
     else:
         lines = [f"{k}: {_yaml_scalar(v)}" for k, v in _recipe_values(result.meta).items()]
     lines = [line for line in lines if not line.startswith("# probe-batch:")]
-    for i, line in enumerate(lines):
-        m = re.match(r"batch_size\s*:\s*[^#]*?(\s+#.*)?$", line)
-        if m:
-            lines[i] = f"batch_size: {result.chosen}{m.group(1) or ''}"
-            break
-    else:
-        lines.append(f"batch_size: {result.chosen}")
+    wanted: dict[str, int] = {"batch_size": micro}
+    if result.global_batch is not None:
+        wanted["global_batch"] = result.global_batch
+    elif (result.accumulation or 1) > 1:
+        wanted["grad_accum"] = result.accumulation
+    for key, value in wanted.items():
+        _set_line(lines, key, value)
     header_end = next((i for i, line in enumerate(lines) if not line.startswith("#")), len(lines))
     lines.insert(header_end, note)
     text = "\n".join(lines) + "\n"
+    by_hand = ", ".join(f"`{k}: {v}`" for k, v in wanted.items())
     try:
         values = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"--save {path}: cannot update this YAML ({exc}); add `batch_size: "
-                          f"{result.chosen}` by hand") from exc
-    if not isinstance(values, dict) or values.get("batch_size") != result.chosen:
-        raise ConfigError(f"--save {path}: not a flat recipe with one `batch_size:` line; add `batch_size: "
-                          f"{result.chosen}` by hand")
+        raise ConfigError(f"--save {path}: cannot update this YAML ({exc}); add {by_hand} by hand") from exc
+    if not isinstance(values, dict) or any(values.get(k) != v for k, v in wanted.items()):
+        raise ConfigError(f"--save {path}: not a flat recipe with one `batch_size:` line; add {by_hand} by hand")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
@@ -222,12 +225,27 @@ def save_to_recipe(result: ProbeResult, recipe_path: str | Path) -> Path:
     return path
 
 
-def _measured(result: ProbeResult) -> str:
+def _set_line(lines: list[str], key: str, value: int) -> None:
+    """Replace the value of a top-level `key:` line (keeping its inline comment), or add the line."""
+    for i, line in enumerate(lines):
+        m = re.match(rf"{key}\s*:\s*[^#]*?(\s+#.*)?$", line)
+        if m:
+            lines[i] = f"{key}: {value}{m.group(1) or ''}"
+            return
+    lines.append(f"{key}: {value}")
+
+
+def _measured(result: ProbeResult, micro: int) -> str:
     m = result.meta
     lengths = f"seq {m['seq_len']}" if "seq_len" in m else f"src/tgt {m.get('src_len')}/{m.get('tgt_len')}"
     cap = f", cap {m['max_gpu_memory']}" if m.get("max_gpu_memory") else ""
     check = "verified" if result.verified else "not verified"
-    return (f"batch_size {result.chosen} = largest fit {result.largest_fit} less a {result.margin * 100:g}% "
+    timed = [t for t in result.candidates() if (t.batch_size, t.accumulation) == (micro, result.accumulation)]
+    why = (f"batch_size {micro} x {result.accumulation} accumulation, the most samples/s timed"
+           + (f" ({timed[0].samples_per_s:.1f})" if timed and timed[0].samples_per_s is not None else "")
+           + f"; largest fit {result.largest_fit}" if result.prefer == "throughput"
+           else f"batch_size {micro} = largest fit {result.largest_fit}")
+    return (f"{why} less a {result.margin * 100:g}% "
             f"margin ({check}); {m.get('model')} {m.get('precision')}, {lengths}, "
             f"{'activation checkpointing' if m.get('activation_checkpointing') else 'no checkpointing'}, "
             f"on {m.get('gpu')}{cap} ({m.get('date', '')[:10]})")

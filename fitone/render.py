@@ -149,13 +149,14 @@ def plot_plan(p: Plan, path: str | Path) -> Path:
 # -- probe results ---------------------------------------------------------------------------------
 def probe_table(r: ProbeResult) -> str:
     """Fixed-width table of the trials in the order tried, then the answer."""
-    rows = [f"{'batch':>7}  {'result':<16} {'peak GPU GiB':>12} {'step s':>8} {'samples/s':>10}"]
+    # the batch column: micro-batch, or micro-batch x accumulation for a throughput candidate
+    rows = [f"{'batch':>9}  {'result':<16} {'peak GPU GiB':>12} {'step s':>8} {'samples/s':>10}"]
     for t in r.trials:
         result = "fits" if t.fits else "OOM" + (f" ({t.oom_phase})" if t.oom_phase else "")
-        if t.purpose == "verify":
-            result += " verify"
+        if t.purpose in ("verify", "throughput"):
+            result += " " + ("verify" if t.purpose == "verify" else "timed")
         peak = gib(t.peak_gpu_bytes) if t.peak_gpu_bytes is not None else None
-        rows.append(f"{t.batch_size:>7}  {result:<16} {number(peak, 2):>12} {number(t.step_s, 2):>8} "
+        rows.append(f"{t.label:>9}  {result:<16} {number(peak, 2):>12} {number(t.step_s, 2):>8} "
                     f"{number(t.samples_per_s, 1):>10}")
     oom = f" ({r.smallest_oom} ran out of memory)" if r.smallest_oom is not None else ""
     rows.append(f"largest fit: {r.largest_fit}{oom}, granularity {r.granularity}")
@@ -165,14 +166,32 @@ def probe_table(r: ProbeResult) -> str:
     best = r.best_trial()
     if best is not None:
         rows.append(f"best throughput: {best.batch_size} ({best.samples_per_s:.1f} samples/s)")
+    if r.micro_batch is not None:
+        rows.append(probe_choice_line(r))
     return "\n".join(rows)
+
+
+def probe_choice_line(r: ProbeResult) -> str:
+    """'train with: micro-batch 32 x 3 accumulation steps (for --global-batch 96: the most samples/s of 3 timed
+    within the margin; --prefer-batch throughput)'."""
+    per_step = f"for --global-batch {r.global_batch}: " if r.global_batch is not None else ""
+    return (f"train with: micro-batch {r.micro_batch} x {r.accumulation} accumulation "
+            f"step{'s' if r.accumulation != 1 else ''} ({per_step}{choice_reason(r)}; --prefer-batch {r.prefer})")
+
+
+def choice_reason(r: ProbeResult) -> str:
+    """Why the probe's micro-batch x accumulation: 'the most samples/s of 3 timed within the margin', ..."""
+    timed = r.candidates()
+    if r.prefer == "throughput" and timed:
+        return f"the most samples/s of {len(timed)} timed within the margin"
+    return "the largest within the margin" + (" that divides it" if r.global_batch is not None else "")
 
 
 def plot_probe(r: ProbeResult, path: str | Path) -> Path:
     """PNG of peak GPU memory and samples/s against batch size, with OOMs, the cap and the choice."""
     from matplotlib.ticker import FuncFormatter
 
-    latest = {t.batch_size: t for t in r.trials if t.fits}  # a verified size: its longer run wins
+    latest = {t.batch_size: t for t in r.trials if t.fits and t.accumulation == 1}  # verified: its longer run wins
     fits = [latest[s] for s in sorted(latest)]
     ooms = sorted((t for t in r.trials if not t.fits), key=lambda t: t.batch_size)
     measured = [t for t in fits if t.peak_gpu_bytes is not None]
@@ -192,10 +211,18 @@ def plot_probe(r: ProbeResult, path: str | Path) -> Path:
         xs = [low * (high / low) ** (i / 63) for i in range(64)]
         handles += ax.plot(xs, [gib(line[0] + line[1] * x) for x in xs], ":", color="tab:blue", alpha=0.6,
                            label=f"line fit: {gib(line[0]):.2f} GiB + {line[1] / 2**20:.1f} MiB/sample")
-    timed = [t for t in fits if t.samples_per_s is not None]
+    timed = [t for t in fits if t.samples_per_s is not None and t.accumulation == 1]
     if timed:
         handles += speed_ax.plot([t.batch_size for t in timed], [t.samples_per_s for t in timed], "s--",
                                  color="tab:green", label="throughput (samples/s)")
+    timed_pairs = [t for t in r.candidates() if t.fits and t.samples_per_s is not None]
+    if timed_pairs:
+        handles.append(speed_ax.scatter([t.batch_size for t in timed_pairs], [t.samples_per_s for t in timed_pairs],
+                                        marker="*", s=140, color="tab:olive", zorder=6,
+                                        label="timed for the choice (micro-batch x accumulation)"))
+        for t in timed_pairs:
+            speed_ax.annotate(t.label, (t.batch_size, t.samples_per_s), textcoords="offset points", xytext=(6, -10),
+                              fontsize=8, color="tab:olive")
     if ooms:
         oom_y = gib(r.cap_bytes) if r.cap_bytes else top
         phases = sorted({t.oom_phase for t in ooms if t.oom_phase})
@@ -213,6 +240,9 @@ def plot_probe(r: ProbeResult, path: str | Path) -> Path:
                     textcoords="offset points", xytext=(0, 4), ha="center", fontsize=9, color="tab:red")
     handles.append(ax.axvline(r.chosen, color="gray", linestyle="-.", linewidth=1,
                               label=f"chosen {r.chosen} ({percent(r.margin)} margin)"))
+    if r.micro_batch is not None and r.micro_batch != r.chosen:
+        handles.append(ax.axvline(r.micro_batch, color="tab:green", linestyle="-.", linewidth=1,
+                                  label=f"train with {r.micro_batch} x {r.accumulation} (--prefer-batch {r.prefer})"))
 
     ax.set_xscale("log", base=2)
     ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:g}"))

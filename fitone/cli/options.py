@@ -9,7 +9,7 @@ import argparse
 import dataclasses
 from typing import Any, Iterable
 
-from fitone.config import DEVICES, LR_SCHEDULES, OFFLOADS, PRECISIONS, TrainConfig
+from fitone.config import DEVICES, LR_SCHEDULES, OFFLOADS, PRECISIONS, PREFER_BATCH, TrainConfig
 from fitone.errors import ConfigError
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
@@ -42,6 +42,9 @@ FLAGS: dict[str, tuple[Any, str]] = {
     "batch_size": (str, "per-GPU micro-batch, or 'auto' to probe for the largest that fits"),
     "grad_accum": (int, "gradient-accumulation steps"),
     "global_batch": (int, "samples per optimizer step; accumulation is derived"),
+    "prefer_batch": (PREFER_BATCH, "what --batch-size auto and probe-batch choose: throughput (the micro-batch and "
+                                   "accumulation with the most samples/s, timed as real steps) or largest (the "
+                                   "largest micro-batch that fits, less the margin)"),
     "lr": (float, "peak learning rate"),
     "lr_schedule": (LR_SCHEDULES, "constant, or linear or cosine decay to 0 over the run (after the warm-up)"),
     "warmup_steps": (int, "linear warm-up steps"),

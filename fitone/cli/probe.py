@@ -1,4 +1,5 @@
-"""`fitone probe-batch`: the largest micro-batch that trains on this GPU, found on a real engine in minutes."""
+"""`fitone probe-batch`: the largest micro-batch that trains on this GPU, found on a real engine in minutes, and
+the micro-batch x accumulation to train with (by default the one with the most samples/s, timed)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,11 @@ import argparse
 from fitone.cli.options import add_config_flags, add_recipe_arguments, config_from_args
 from fitone.probe import search
 
-# the train options that decide memory (and --global-batch, to split into micro-batch x accumulation)
+# the train options that decide memory (and --global-batch and --prefer-batch: the micro-batch x accumulation)
 PROBE_FLAGS = ["model", "from_scratch", "data", "data_split", "data_config", "chat_template", "pack", "source_field",
                "target_field", "text_field", "prompt_field",
-               "src_len", "tgt_len", "seq_len", "global_batch", "precision", "activation_checkpointing", "offload",
+               "src_len", "tgt_len", "seq_len", "global_batch", "prefer_batch", "precision", "activation_checkpointing",
+               "offload",
                "pipelined_update", "ds_config", "max_gpu_memory", "expandable_segments", "device", "seed", "verbose",
                "preflight"]
 
@@ -20,8 +22,10 @@ def add_parser(sub) -> None:
         "probe-batch", help="find the largest micro-batch that trains on this GPU (binary search on a real engine)",
         description="Build the model from its config with random weights and the same DeepSpeed engine, precision "
                     "and activation checkpointing as `fitone train`, then run full training steps on a worst-case "
-                    "batch: double until out of memory, bisect, back off by --margin and verify. The result is "
-                    "saved, and `fitone train --batch-size auto` reuses it.",
+                    "batch: double until out of memory, bisect, back off by --margin and verify. Then choose the "
+                    "micro-batch and accumulation to train with (--prefer-batch throughput: the most samples/s for "
+                    "--global-batch among a few timed as real accumulated steps; largest: the largest). The result "
+                    "is saved, and `fitone train --batch-size auto` reuses it.",
         epilog="example: fitone probe-batch --model t5-3b --from-scratch --data synthetic --src-len 128 "
                "--tgt-len 128 --precision fp16 --max-gpu-memory 23GiB --json probe.json --plot probe.png")
     add_recipe_arguments(p)
@@ -55,10 +59,10 @@ def run(args: argparse.Namespace) -> int:
                                 use_cache=args.use_cache)
     print()
     print(probe_table(result))
+    micro, accum = result.micro_batch, result.accumulation
     if cfg.global_batch is not None:
-        micro, accum = result.for_global_batch(cfg.global_batch)
         print(f"for --global-batch {cfg.global_batch}: --batch-size {micro} with {accum} accumulation steps")
-    print(f"train with --batch-size {result.chosen} (or --batch-size auto, which reuses this probe)")
+    print(f"train with --batch-size {micro} (or --batch-size auto, which reuses this probe)")
     if args.save_path:
-        print(f"wrote batch_size: {result.chosen} to {save_to_recipe(result, args.save_path)}")
+        print(f"wrote batch_size: {micro} to {save_to_recipe(result, args.save_path)}")
     return 0

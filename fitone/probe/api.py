@@ -18,11 +18,12 @@ from fitone.errors import ConfigError
 from fitone.models import CAUSAL, check_seq_len
 from fitone.packing import require_exact_packing
 from fitone.probe.cache import capped_key, probe_key, read_cached, save_cached
-from fitone.probe.results import ProbeResult
+from fitone.probe.choice import choose_batch
+from fitone.probe.results import ProbeResult, TrialResult
 from fitone.probe.search import (DEFAULT_MAX_BATCH, DEFAULT_MARGIN, DEFAULT_MAX_TRIALS, DEFAULT_VERIFY_STEPS,
                                   check_arguments, search_batch_size)
 from fitone.probe.trial import ProbeSession, Say
-from fitone.render import plot_probe
+from fitone.render import choice_reason, plot_probe
 from fitone.run import Run, resolve
 from fitone.runtime import Runtime
 
@@ -42,10 +43,12 @@ def probe_batch(
     on_model: Callable[[torch.nn.Module], None] | None = None,
     **overrides: Any,
 ) -> ProbeResult:
-    """The largest micro-batch that trains on this GPU, its margin-backed choice, and what each trial measured.
+    """The largest micro-batch that trains on this GPU, its margin-backed size, the micro-batch and accumulation
+    to train with (`prefer_batch`: the most samples/s for `global_batch`, or the largest; fitone.probe.choice),
+    and what each trial measured.
 
     Takes the same options as `train` (a TrainConfig and/or its fields). A saved result for the same
-    memory-deciding settings and the same search settings is reused unless `use_cache=False`; a new
+    memory-deciding settings and the same search settings and choice is reused unless `use_cache=False`; a new
     result is always saved. `max_batch` defaults to DEFAULT_MAX_BATCH on a GPU; on the CPU it must be given (see the
     module's docstring) and the plan's host RAM bounds it. `on_model` is called with the probe's model
     before the engine is built (tests use it to add hooks); its effect is saved like any result, so point
@@ -93,16 +96,19 @@ def probe_on(run: Run, runtime: Runtime, *, max_batch: int | None = None, max_tr
                           f"{runtime.world_size}: run `fitone probe-batch` without a launcher, then train "
                           "with --batch-size N")
     key = probe_key(run)
-    search = {"max_batch": max_batch, "max_trials": max_trials, "margin": margin, "verify_steps": verify_steps}
+    search = {"max_batch": max_batch, "max_trials": max_trials, "margin": margin, "verify_steps": verify_steps,
+              **choice_key(run)}
     cached = (read_cached(key, search) or read_cached(capped_key(key), search)) if use_cache else None
     if cached is not None:
         capped = f", capped at max_batch={max_batch}" if cached.meta.get("capped") else ""
         say(f"reusing the probe saved {cached.meta.get('date', '')} in {cached.meta['cache_file']} (same model "
-            f"config, precision, lengths, GPU and cap{capped}; --no-cache measures again)")
-        return cached
+            f"config, precision, lengths, GPU and cap{capped}, same choice; --no-cache measures again)")
+        return _choose(cached, run, None, steps=0, say=say) if run.settings.prefer_batch == "largest" else cached
     session = ProbeSession(run, say=say, on_model=on_model)
     try:
-        result = search_batch_size(session.try_size, cap_bytes=session.cap_bytes, log=say, **search)
+        searched = {k: search[k] for k in ("max_batch", "max_trials", "margin", "verify_steps")}
+        result = search_batch_size(session.try_size, cap_bytes=session.cap_bytes, log=say, **searched)
+        _choose(result, run, session.try_size, steps=verify_steps or 1, say=say)
         result.meta.update(session.meta())
     finally:
         session.close()
@@ -119,38 +125,64 @@ def probe_on(run: Run, runtime: Runtime, *, max_batch: int | None = None, max_tr
     return result
 
 
+def choice_key(run: Run) -> dict[str, Any]:
+    """What decides the choice beyond the memory search: the preference and, for a throughput choice (timed),
+    the samples per optimizer step on one GPU (--global-batch over the ranks) or the fixed accumulation."""
+    cfg = run.settings
+    cfg.accumulation(1, run.world_size)  # a --global-batch the ranks do not split: refused before any trial
+    if cfg.prefer_batch == "largest":  # no timing: made again from the saved search for any global batch
+        return {"prefer": "largest"}
+    if cfg.global_batch is not None:
+        return {"prefer": "throughput", "global_batch": cfg.global_batch // run.world_size}
+    return {"prefer": "throughput", "accumulation": cfg.accumulation(1)}
+
+
+def _choose(result: ProbeResult, run: Run, time_step: Callable[[int, int, int], TrialResult] | None, *,
+            steps: int, say: Say) -> ProbeResult:
+    cfg = run.settings
+    return choose_batch(result, prefer=cfg.prefer_batch, time_step=time_step, steps=steps, log=say,
+                        accumulation=lambda b: cfg.accumulation(b, run.world_size),
+                        global_batch=None if cfg.global_batch is None else cfg.global_batch // run.world_size)
+
+
 def batch_size_for_training(run: Run, runtime: Runtime, say: Say = print) -> int:
     """The micro-batch for `--batch-size auto`: a saved probe for these settings, else a new probe.
 
     Runs before the training model loads, on training's resolved run and started runtime; the probe's model
-    and engine are freed before this returns. With --global-batch the micro-batch is the largest size <= the
-    probe's choice that divides it.
+    and engine are freed before this returns. The micro-batch is the probe's choice (--prefer-batch) for
+    this run's --global-batch, whose accumulation Run.with_batch derives as the probe did.
     """
     cfg, world_size = run.settings, run.world_size
     # A ZeRO-2 rank holds the same 16-bit weights, buckets and activations as one GPU alone (measured:
     # 10.7 GiB peak at micro-batch 64 for t5-3b on one and on two H200s), so a one-GPU probe gives the
     # per-GPU micro-batch; ranks cannot probe together (an OOM on one rank hangs the others' collectives).
-    # any search settings; never a capped one
-    result = read_cached(probe_key(run), full_only=True)
+    # any search settings, the same choice; never a capped one
+    result = read_cached(probe_key(run), full_only=True, choice=choice_key(run))
     if result is not None:
         say(f"--batch-size auto: reusing the probe saved {result.meta.get('date', '')} in "
             f"{result.meta['cache_file']}")
     elif world_size > 1:
+        share = choice_key(run).get("global_batch")  # a throughput choice is timed for each GPU's share
+        per_gpu = f", --global-batch {share} (this run's per GPU)" if share is not None else ""
         raise ConfigError(f"--batch-size auto under {world_size} ranks needs a saved one-GPU probe: run "
-                          "`fitone probe-batch` with the same model, lengths, precision, cap and "
+                          f"`fitone probe-batch` with the same model, lengths, precision, cap{per_gpu} and "
                           "--[no-]pipelined-update flag without a launcher first (or pass --batch-size N)")
     else:
         say("--batch-size auto: no saved probe for this model, precision, lengths, GPU and cap: probing first")
         began = time.perf_counter()
         result = probe_on(run, runtime, use_cache=False, say=say, for_training=True, began=began)
-    how = f"largest fit {result.largest_fit}, {result.margin * 100:g}% margin"
+    if cfg.prefer_batch == "largest":  # untimed: made from any saved search, for this run's global batch
+        _choose(result, run, None, steps=0, say=say)
+    how = (f"{choice_reason(result)}: largest fit {result.largest_fit} less a {result.margin * 100:g}% margin "
+           f"is {result.chosen}")
+    micro, accum = result.micro_batch, result.accumulation
     if cfg.global_batch is not None:
-        micro, accum = result.for_global_batch(cfg.global_batch, world_size)
         say(f"--batch-size auto: micro-batch {micro} x {accum} accumulation steps = --global-batch "
-            f"{cfg.global_batch} (probe chose {result.chosen}; {how})")
+            f"{cfg.global_batch} ({how})")
         return micro
-    say(f"--batch-size auto: micro-batch {result.chosen} ({how})")
-    return result.chosen
+    say(f"--batch-size auto: micro-batch {micro}" + (f" x {accum} accumulation steps" if accum > 1 else "")
+        + f" ({how})")
+    return micro
 
 
 def _search_ceiling(run: Run, max_batch: int | None, say: Say, for_training: bool) -> int:

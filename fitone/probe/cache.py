@@ -3,7 +3,8 @@
 Results are saved under ~/.cache/fitone/probes/ (or $FITONE_CACHE_DIR/probes/), keyed by everything that
 decides memory, so `fitone train --batch-size auto` reuses a probe instead of repeating it. A capped probe
 (no size ran out of memory before max_batch) did not find the card's limit: it is saved under its own key
-and never reused by --batch-size auto.
+and never reused by --batch-size auto. The choice made after the search (fitone.probe.choice) is kept with
+the search settings: a throughput choice is reused only for the same samples per GPU step (api.choice_key).
 """
 
 from __future__ import annotations
@@ -113,14 +114,19 @@ def capped_key(key: dict[str, Any]) -> dict[str, Any]:
     return {**key, "capped": True}
 
 
-def read_cached(key: dict[str, Any], search: dict[str, Any] | None = None, *,
-                full_only: bool = False) -> ProbeResult | None:
+def read_cached(key: dict[str, Any], search: dict[str, Any] | None = None, *, full_only: bool = False,
+                choice: dict[str, Any] | None = None) -> ProbeResult | None:
     """The saved result for `key` (and these search settings, when given); None if there is none.
-    `full_only`: None for a capped probe too (one saved before capped probes had their own key)."""
+    `full_only`: None for a capped probe too (one saved before capped probes had their own key).
+    `choice`: only a result whose search settings hold these (api.choice_key: how it chose); the largest
+    micro-batch is chosen again from any saved search, untimed, so {"prefer": "largest"} takes any."""
     path = cache_path(key)
     try:
         entry = json.loads(path.read_text())
         if entry["key"] != key or (search is not None and entry["search"] != search):
+            return None
+        if choice is not None and choice != {"prefer": "largest"} and any(
+                entry["search"].get(k) != v for k, v in choice.items()):
             return None
         result = ProbeResult.from_dict(entry["result"])
         if full_only and result.meta.get("capped", all(t.fits for t in result.trials)

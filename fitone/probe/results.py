@@ -17,7 +17,11 @@ from fitone.units import gib
 
 @dataclass
 class TrialResult:
-    """One try at a micro-batch size: `steps` full training steps, or the phase where memory ran out."""
+    """One try at a micro-batch size: `steps` full training steps, or the phase where memory ran out.
+
+    A step is `accumulation` forwards and backwards at `batch_size`, then one optimizer update; `step_s` is
+    the median step and `samples_per_s` counts every micro-batch of it.
+    """
 
     batch_size: int
     fits: bool
@@ -26,24 +30,36 @@ class TrialResult:
     samples_per_s: float | None = None
     oom_phase: str | None = None  # "forward", "backward" or "step"
     steps: int = 0
-    purpose: str = "search"  # "search" or "verify"; set by search_batch_size
+    purpose: str = "search"  # "search", "verify" (search_batch_size) or "throughput" (choice.choose_batch)
+    accumulation: int = 1
 
     def __post_init__(self) -> None:
         if self.fits and self.samples_per_s is None and self.step_s:
-            self.samples_per_s = self.batch_size / self.step_s
+            self.samples_per_s = self.batch_size * self.accumulation / self.step_s
+
+    @property
+    def label(self) -> str:
+        """'64', or '16 x 4' for micro-batch 16 with 4 accumulation steps."""
+        return f"{self.batch_size}" + (f" x {self.accumulation}" if self.accumulation > 1 else "")
 
     def outcome(self) -> str:
         """'64 fits: 9.3 GiB peak, 29.8 samples/s' or '256 out of memory in backward'."""
         if not self.fits:
-            return f"{self.batch_size} out of memory" + (f" in {self.oom_phase}" if self.oom_phase else "")
+            return f"{self.label} out of memory" + (f" in {self.oom_phase}" if self.oom_phase else "")
         peak = f"{gib(self.peak_gpu_bytes):.1f} GiB peak" if self.peak_gpu_bytes is not None else "peak not measured"
         speed = f", {self.samples_per_s:.1f} samples/s" if self.samples_per_s is not None else ""
-        return f"{self.batch_size} fits: {peak}{speed}"
+        return f"{self.label} fits: {peak}{speed}"
 
 
 @dataclass(repr=False)
 class ProbeResult:
-    """What `probe-batch` found. `chosen` is the size to train with; `meta` is filled by the caller."""
+    """What `probe-batch` found; `meta` is filled by the caller.
+
+    `chosen` is the largest micro-batch the margin allows (verified): no choice goes above it. What to train
+    with is `micro_batch` x `accumulation`, chosen by `prefer` (fitone.probe.choice) for `global_batch`
+    samples per optimizer step on one GPU (None: no --global-batch, the accumulation fixed); None in a
+    search's result until a choice is made.
+    """
 
     trials: list[TrialResult]
     largest_fit: int
@@ -55,14 +71,20 @@ class ProbeResult:
     cap_bytes: int | None
     wall_s: float
     smallest_oom: int | None = None  # the smallest size above largest_fit that ran out of memory
+    prefer: str | None = None  # "throughput" or "largest": how micro_batch x accumulation was chosen
+    micro_batch: int | None = None
+    accumulation: int | None = None
+    global_batch: int | None = None  # the samples per optimizer step (per GPU) they were chosen for
     meta: dict[str, Any] = field(default_factory=dict)
 
     # -- reading the result -------------------------------------------------------------------
     def __repr__(self) -> str:
         oom = f", smallest_oom={self.smallest_oom}" if self.smallest_oom is not None else ""
         model = f"{self.meta['model']}: " if self.meta.get("model") else ""
+        train = (f"micro_batch={self.micro_batch}, accumulation={self.accumulation} ({self.prefer}), "
+                 if self.micro_batch is not None else "")
         return (
-            f"ProbeResult({model}chosen={self.chosen}, largest_fit={self.largest_fit}{oom}, "
+            f"ProbeResult({model}{train}chosen={self.chosen}, largest_fit={self.largest_fit}{oom}, "
             f"best_throughput={self.best_throughput}, verified={self.verified}, "
             f"{len(self.trials)} trials in {self.wall_s:.1f} s)"
         )
@@ -70,6 +92,10 @@ class ProbeResult:
     def memory_line(self) -> tuple[float, float] | None:
         """(fixed bytes, bytes per sample) through the two largest fitting sizes with a measured peak."""
         return trials_memory_line(self.trials)
+
+    def candidates(self) -> list[TrialResult]:
+        """The (micro-batch, accumulation) pairs timed for the throughput choice, in the order timed."""
+        return [t for t in self.trials if t.purpose == "throughput"]
 
     def table(self) -> str:
         """Fixed-width table of the trials in the order tried, then the answer."""
@@ -124,7 +150,8 @@ class ProbeResult:
     def best_trial(self) -> TrialResult | None:
         """The trial with the most samples/s at or below `chosen`; None when none was timed."""
         # Sizes above `chosen` are inside the safety margin, so they are not offered; ties go to the smaller.
-        timed = [t for t in self.trials if t.fits and t.samples_per_s is not None and t.batch_size <= self.chosen]
+        timed = [t for t in self.trials if t.fits and t.samples_per_s is not None and t.batch_size <= self.chosen
+                 and t.accumulation == 1]
         return max(timed, key=lambda t: (t.samples_per_s, -t.batch_size), default=None)
 
 

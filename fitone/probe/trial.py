@@ -109,10 +109,11 @@ class ProbeSession:
         return load_dataset(cfg.data_settings(), self.task, tokenizer, config.vocab_size), tokenizer.pad_token_id
 
     # -- a trial ----------------------------------------------------------------------------------
-    def try_size(self, size: int, steps: int) -> TrialResult:
-        """`steps` full steps at micro-batch `size`: peak GPU memory (reset before), median step time."""
+    def try_size(self, size: int, steps: int, accumulation: int = 1) -> TrialResult:
+        """`steps` full steps at micro-batch `size`, each `accumulation` forwards and backwards and one
+        optimizer update: peak GPU memory (reset before), median step time."""
         try:
-            return self._proven(self._run(size, steps))
+            return self._proven(self._run(size, steps, accumulation))
         except AssertionError as exc:
             if not (self._reset_unproven and is_gradient_computed_twice(exc)):
                 raise
@@ -120,14 +121,14 @@ class ProbeSession:
         self.say("ZeRO-2 reports 'Gradient computed twice for this partition' after the engine reset: rebuilding "
                  f"the engine, trying {size} again")
         self._rebuild()
-        return self._proven(self._run(size, steps))
+        return self._proven(self._run(size, steps, accumulation))
 
     def _proven(self, result: TrialResult) -> TrialResult:
         if result.fits:
             self._reset_unproven = False
         return result
 
-    def _run(self, size: int, steps: int) -> TrialResult:
+    def _run(self, size: int, steps: int, accumulation: int) -> TrialResult:
         engine = self.engine
         batch = worst_case_batch(self.task, size, self.cfg.data_settings(), self.config.vocab_size, self.pad_id,
                                  self.data)
@@ -138,18 +139,21 @@ class ProbeSession:
         loss = None
         try:
             batch = {k: v.to(engine.device) for k, v in batch.items()}  # the batch's memory counts too
-            for _ in range(steps):
-                self._sync()
-                start = time.perf_counter()
-                phase = "forward"
-                loss = engine.forward(batch)
-                phase = "backward"
-                engine.backward(loss)
-                loss = None
-                phase = "step"
-                engine.step()  # the first one allocates the optimizer states
-                self._sync()
-                times.append(time.perf_counter() - start)
+            with engine.accumulating(accumulation) as before_micro_step:
+                for _ in range(steps):
+                    self._sync()
+                    start = time.perf_counter()
+                    for i in range(accumulation):
+                        before_micro_step(i)
+                        phase = "forward"
+                        loss = engine.forward(batch)
+                        phase = "backward"
+                        engine.backward(loss)
+                        loss = None
+                        phase = "step"
+                        engine.step()  # the first update allocates the optimizer states
+                    self._sync()
+                    times.append(time.perf_counter() - start)
         except Exception as exc:
             if not memory.is_oom_error(exc):
                 raise
@@ -160,14 +164,15 @@ class ProbeSession:
             if failed != "forward":  # ZeRO-2's gradient bookkeeping is half-done: reset it
                 self._reset()
             memory.free_memory()
-            return TrialResult(size, fits=False, oom_phase=failed, steps=len(times))
+            return TrialResult(size, fits=False, oom_phase=failed, steps=len(times), accumulation=accumulation)
         skipped = engine.skipped_steps - skipped_before
         if skipped:
             self.skipped_steps += skipped
             self.say(f"{size}: {skipped} of {steps} optimizer steps skipped (fp16 overflow): their time leaves "
                      "out the optimizer")
         peak = memory.gpu_peak_bytes() if self.device == "cuda" else None
-        return TrialResult(size, fits=True, peak_gpu_bytes=peak, step_s=statistics.median(times), steps=steps)
+        return TrialResult(size, fits=True, peak_gpu_bytes=peak, step_s=statistics.median(times), steps=steps,
+                           accumulation=accumulation)
 
     def _reset(self) -> None:
         try:

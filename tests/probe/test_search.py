@@ -8,6 +8,7 @@ is tested elsewhere; here only the search's decisions are under test.
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import re
 import subprocess
@@ -42,14 +43,16 @@ class FakeGPU:
     def peak(self, size: int) -> int:
         return FIXED + PER_SAMPLE * size
 
-    def __call__(self, size: int, steps: int) -> TrialResult:
+    def __call__(self, size: int, steps: int, accumulation: int = 1) -> TrialResult:
+        """A step of `accumulation` micro-batches takes that many times one (the update is free here)."""
         self.calls.append((size, steps))
         if size == self.fail_at:
             raise ValueError(f"tokenizer exploded at {size}")
         limit = self.limit if steps == 1 else self.verify_limit
         if size > limit:
-            return TrialResult(size, fits=False, oom_phase=self.oom_phase, steps=0)
-        return TrialResult(size, fits=True, peak_gpu_bytes=self.peak(size), step_s=self.step_s(size), steps=steps)
+            return TrialResult(size, fits=False, oom_phase=self.oom_phase, steps=0, accumulation=accumulation)
+        return TrialResult(size, fits=True, peak_gpu_bytes=self.peak(size), step_s=accumulation * self.step_s(size),
+                           steps=steps, accumulation=accumulation)
 
     @property
     def sizes(self) -> list[int]:
@@ -292,3 +295,144 @@ def test_the_search_and_its_results_load_without_torch_and_leave_render_to_their
     results = ast.parse((Path(__file__).parents[2] / "fitone" / "probe" / "results.py").read_text())
     top = {n.module for n in results.body if isinstance(n, ast.ImportFrom)}
     assert "fitone.render" not in top  # table() and plot() import it when called: no render -> results -> render
+
+
+# -- the choice of micro-batch x accumulation (fitone.probe.choice) ----------------------------------
+class OffloadGPU(FakeGPU):
+    """Fakes a GPU whose forward and backward slow down per sample as the micro-batch grows (c(b) below),
+    beside an optimizer update of UPDATE_S per step: a step of micro-batch b with accumulation a takes
+    a x c(b) + UPDATE_S, so for a fixed global batch a smaller micro-batch with more accumulation can win."""
+
+    UPDATE_S = 1.0
+
+    def __init__(self, limit: int = 100):
+        super().__init__(limit, step_s=lambda size: self.pass_s(size) + self.UPDATE_S)
+        self.accumulations: list[int] = []
+
+    @staticmethod
+    def pass_s(size: int) -> float:
+        return 0.01 * size + 0.0002 * size * size
+
+    def __call__(self, size: int, steps: int, accumulation: int = 1) -> TrialResult:
+        self.accumulations.append(accumulation)
+        trial = super().__call__(size, steps, accumulation)
+        if not trial.fits:
+            return trial
+        return dataclasses.replace(trial, step_s=accumulation * self.pass_s(size) + self.UPDATE_S, samples_per_s=None)
+
+
+def chose(gpu: FakeGPU, prefer: str, global_batch: int | None = None, **config):
+    """The search on `gpu`, then the choice for `global_batch` with TrainConfig's own accumulation."""
+    from fitone.config import TrainConfig
+    from fitone.probe.choice import choose_batch
+
+    cfg = TrainConfig(global_batch=global_batch, prefer_batch=prefer, **config)
+    result = search_batch_size(gpu, log=quiet)  # chosen 95 (largest fit 100, 5% margin)
+    lines: list[str] = []
+    choose_batch(result, prefer=prefer, accumulation=cfg.accumulation, global_batch=global_batch,
+                 time_step=gpu, steps=3, log=lines.append)
+    return result, lines
+
+
+def test_throughput_chooses_a_smaller_micro_batch_with_accumulation_when_it_is_faster():
+    gpu = OffloadGPU()
+    result, lines = chose(gpu, "throughput", global_batch=96)
+    # divisors of 96 up to 95: 48 x 2 (the largest), then the nearest below the fastest one-step trials
+    timed = result.candidates()
+    assert [(t.batch_size, t.accumulation) for t in timed] == [(48, 2), (32, 3), (16, 6)]
+    assert all(t.steps == 3 and t.purpose == "throughput" for t in timed)
+    assert gpu.calls[-3:] == [(48, 3), (32, 3), (16, 3)] and gpu.accumulations[-3:] == [2, 3, 6]
+    best = max(timed, key=lambda t: t.samples_per_s)
+    assert (result.micro_batch, result.accumulation) == (best.batch_size, best.accumulation) == (16, 6)
+    assert best.samples_per_s == pytest.approx(96 / (6 * OffloadGPU.pass_s(16) + 1.0))
+    assert result.prefer == "throughput" and result.global_batch == 96 and result.chosen == 95
+    assert any(line.startswith("choosing 16 x 6: ") and "more than 48 x 2" in line for line in lines)
+    assert "train with: micro-batch 16 x 6 accumulation steps (for --global-batch 96: the most samples/s of 3 " \
+           "timed" in result.table()
+    assert "16 x 6  fits timed" in result.table()
+
+
+def test_prefer_largest_keeps_the_old_choice_and_times_nothing():
+    gpu = OffloadGPU()
+    result, _ = chose(gpu, "largest", global_batch=96)
+    assert (result.micro_batch, result.accumulation) == (48, 2) == result.for_global_batch(96)
+    assert result.candidates() == [] and set(gpu.accumulations) == {1}
+    assert "train with: micro-batch 48 x 2 accumulation steps (for --global-batch 96: the largest within the " \
+           "margin that divides it; --prefer-batch largest)" in result.table()
+
+
+def test_a_smaller_micro_batch_must_beat_the_largest_by_the_tolerance():
+    from fitone.config import TrainConfig
+    from fitone.probe.choice import TOLERANCE, choose_batch
+
+    gpu = OffloadGPU()
+
+    def nearly_flat(size: int, steps: int, accumulation: int = 1) -> TrialResult:
+        # every smaller micro-batch 1% faster than the largest: within the timing noise the choice allows
+        trial = gpu(size, steps, accumulation)
+        return dataclasses.replace(trial, samples_per_s=100.0 if size == 48 else 101.0)
+
+    result = search_batch_size(gpu, log=quiet)
+    choose_batch(result, prefer="throughput", accumulation=TrainConfig(global_batch=96).accumulation,
+                 global_batch=96, time_step=nearly_flat, steps=3, log=quiet)
+    assert 0.01 < TOLERANCE and len(result.candidates()) == 3
+    assert (result.micro_batch, result.accumulation) == (48, 2)
+
+
+@pytest.mark.parametrize("global_batch, pairs", [
+    (97, [(1, 97)]),  # prime: only 1 divides it below the chosen 95
+    (100, [(50, 2), (25, 4), (20, 5), (10, 10)]),  # not a multiple of 95: its divisors
+    (190, [(95, 2), (38, 5), (19, 10), (10, 19)]),
+])
+def test_a_global_batch_the_largest_does_not_divide_is_split_exactly(global_batch, pairs):
+    result, _ = chose(OffloadGPU(), "throughput", global_batch=global_batch)
+    assert (result.micro_batch, result.accumulation) in pairs
+    assert result.micro_batch * result.accumulation == global_batch and result.micro_batch <= result.chosen
+    timed = result.candidates()
+    assert all(t.batch_size * t.accumulation == global_batch for t in timed)
+    assert len(timed) == (0 if len(pairs) == 1 else 3)  # one candidate: nothing to compare, nothing timed
+
+
+def test_without_a_global_batch_the_choice_is_among_micro_batches_by_samples_per_second():
+    # step time grows with size squared: samples/s peaks near 32, well below the chosen 95
+    gpu = FakeGPU(limit=100, step_s=lambda size: 1 + size * size / 1000)
+    result, _ = chose(gpu, "throughput")
+    timed = result.candidates()
+    assert [(t.batch_size, t.accumulation) for t in timed] == [(95, 1), (32, 1), (16, 1)]
+    assert (result.micro_batch, result.accumulation) == (32, 1) and result.global_batch is None
+    fixed, _ = chose(FakeGPU(limit=100, step_s=lambda size: 1 + size * size / 1000), "throughput", grad_accum=4)
+    assert (fixed.micro_batch, fixed.accumulation) == (32, 4)  # a --grad-accum stays as given
+
+
+def test_a_global_batch_the_gpus_do_not_split_is_refused_naming_the_fix():
+    from fitone.config import TrainConfig
+    from fitone.probe.choice import choose_batch
+
+    result = search_batch_size(FakeGPU(limit=100), log=quiet)
+    cfg = TrainConfig(global_batch=255)
+    with pytest.raises(ConfigError, match="--global-batch 255 is not a multiple of micro-batch x GPUs"):
+        choose_batch(result, prefer="throughput", accumulation=lambda b: cfg.accumulation(b, 2),
+                     global_batch=255, time_step=FakeGPU(limit=100), log=quiet)
+
+
+def test_the_choice_round_trips_through_json_and_into_a_recipe(tmp_path):
+    from fitone.config import TrainConfig
+    from fitone.recipes import save_to_recipe
+
+    result, _ = chose(OffloadGPU(), "throughput", global_batch=96)
+    result.meta.update(model="t5-3b", precision="fp16", src_len=128, tgt_len=128, gpu="NVIDIA H200")
+    saved = json.loads(result.save_json(tmp_path / "probe.json").read_text())
+    assert (saved["micro_batch"], saved["accumulation"], saved["global_batch"], saved["prefer"]) == (16, 6, 96,
+                                                                                                      "throughput")
+    assert [(t["batch_size"], t["accumulation"]) for t in saved["trials"] if t["purpose"] == "throughput"] == \
+        [(48, 2), (32, 3), (16, 6)]
+    assert ProbeResult.load_json(tmp_path / "probe.json") == result
+    assert result.plot(tmp_path / "probe.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # with the timed pairs
+    recipe = tmp_path / "mine.yaml"
+    recipe.write_text("# mine\nmodel: t5-3b\nbatch_size: 8  # per GPU\n")
+    save_to_recipe(result, recipe)
+    text = recipe.read_text()
+    assert "batch_size: 16  # per GPU\n" in text and "global_batch: 96\n" in text
+    assert "# probe-batch: batch_size 16 x 6 accumulation, the most samples/s timed" in text
+    cfg = TrainConfig.from_dict(__import__("yaml").safe_load(text))
+    assert (cfg.batch_size, cfg.accumulation(cfg.batch_size)) == (16, 6)
