@@ -20,6 +20,7 @@ import torch
 
 NEAREST, STOCHASTIC = "nearest", "stochastic"
 ROUNDINGS = (NEAREST, STOCHASTIC)
+ROUNDING_OF_STATES = {"bf16": STOCHASTIC, "bf16-nearest": NEAREST}  # --optimizer-states (fitone.config)
 # elements stepped per fp32 working block: five fp32 blocks stay in cache, and per-block overhead is small
 BLOCK_ELEMENTS = 2**20
 _MASK32 = 0xFFFFFFFF
