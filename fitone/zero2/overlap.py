@@ -230,10 +230,11 @@ class PipelinedUpdate(OverlappedStep):
         if optimizer.bit16_groups_flat[0].is_cuda:
             self._side = torch.cuda.Stream()
             # two fp32 chunks on the GPU: a chunk's fp32 master goes up and is cast there, so the CPU
-            # skips DeepSpeed's fp32->16-bit staging pass (memory-bound, on the forward's critical path)
+            # skips DeepSpeed's fp32->16-bit staging pass (memory-bound, on the forward's critical path);
+            # a bf16 master (16-bit states) goes up as it is, in bf16 chunks
             size = max(hi - lo for ends in self.chunks for lo, hi in zip([0] + ends[:-1], ends))
-            self._landing = [torch.empty(size, dtype=torch.float32, device=optimizer.bit16_groups_flat[0].device)
-                             for _ in range(2)]
+            self._landing = [torch.empty(size, dtype=optimizer.single_partition_of_fp32_groups[0].dtype,
+                                         device=optimizer.bit16_groups_flat[0].device) for _ in range(2)]
         self._hooks = [m.register_forward_pre_hook(self._pre_forward(needs))
                        for m, needs in self._module_needs(model)]
 
@@ -374,7 +375,7 @@ class PipelinedUpdate(OverlappedStep):
                     if self._side is not None:  # the side stream runs chunks in order: a landing buffer is
                         landing = self._landing[k % 2][:hi - lo]  # free once the cast two chunks back is done
                         with torch.cuda.stream(self._side):
-                            landing.copy_(master.data[lo:hi], non_blocking=True)  # pinned fp32 master
+                            landing.copy_(master.data[lo:hi], non_blocking=True)  # the pinned master
                             target.data[lo:hi].copy_(landing)
                             event = torch.cuda.Event()
                             event.record(self._side)
