@@ -349,9 +349,11 @@ def _lean_host_components(st: _Setup, part: int) -> list[Component]:
     if w < 4:
         comps.append(Component("fp32 gradient chunk", "buffers", 4 * min(part, layout.WIDEN_ELEMENTS),
                                "the gradients widened for Adam a slice at a time"))
-    if m < 4:  # low_precision.adamw_16bit's fp32 and integer temporaries, one block at a time
-        comps.append(Component("16-bit step's blocks", "buffers", 48 * min(part, low_precision.BLOCK_ELEMENTS),
-                               "fp32 master, moments, gradient and random bits of one block"))
+    if m < 4:  # low_precision.adamw_16bit's blocks, and stochastic rounding's table of random bits
+        rounding = low_precision.ROUNDING_OF_STATES[st.optimizer_states]
+        comps.append(Component("16-bit step's blocks", "buffers", low_precision.host_bytes(rounding),
+                               "one block of fp32 master, moments and gradient"
+                               + (", the random bits' table" if rounding == low_precision.STOCHASTIC else "")))
     return comps
 
 

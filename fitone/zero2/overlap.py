@@ -190,7 +190,7 @@ class PipelinedUpdate(OverlappedStep):
 
     `states` 'bf16' or 'bf16-nearest' (on `host` only; DeepSpeed built with bf16_master_weights_and_grads and
     bf16_optimizer_states): every step, the first ones too, is fitone.zero2.low_precision's on the bf16 master
-    and moments, rounded stochastically (keyed by `rounding_seed`) or to the nearest.
+    and moments, rounded stochastically (bits keyed by `rounding_seed`) or to the nearest.
 
     One process only: with several ranks the updated partitions would have to be all-gathered before any
     forward could use them. `model` is the engine's module (forward pre-hooks go on its submodules).
@@ -206,7 +206,8 @@ class PipelinedUpdate(OverlappedStep):
             self.close()
             raise ValueError("the pipelined update runs on one GPU (one rank)")
         self.rounding = low_precision.ROUNDING_OF_STATES.get(states)  # None: fp32 states, fused AdamW
-        self.rounding_seed = rounding_seed
+        self._bits = low_precision.RandomBits(rounding_seed) if self.rounding == low_precision.STOCHASTIC else None
+        self._work = low_precision.Workspace() if self.rounding is not None else None  # the update thread's
         bf16_master = optimizer.single_partition_of_fp32_groups[0].dtype == torch.bfloat16
         if (self.rounding is not None) != bf16_master or (bf16_master and host is None):
             self.close()
@@ -349,7 +350,7 @@ class PipelinedUpdate(OverlappedStep):
                                   weight_decay=hyper["weight_decay"], grad_scale=scale,
                                   adam_w_mode=getattr(adam, "adam_w_mode", True),
                                   bias_correction=hyper["bias_correction"], rounding=self.rounding,
-                                  seed=self.rounding_seed, group=i, offset=lo)
+                                  bits=self._bits, group=i, offset=lo, work=self._work)
 
     def _cpu_update(self, kernel: Any, grads: list[torch.Tensor] | None, scale: Any, hyper: list[dict[str, Any]],
                     steps: list[int], backward_done: Any) -> dict[str, float]:

@@ -507,12 +507,13 @@ def test_the_plan_reads_counts_in_words_and_names_no_deepspeed_source_lines(plan
 # -- --optimizer-states bf16 ----------------------------------------------------------------------------
 def test_bf16_optimizer_states_hold_eight_bytes_a_parameter_on_the_host():
     """bf16 master 2 + bf16 gradients 2 + bf16 moments 4 B/param on the lean layout, the one fp32 slice the
-    gradients are widened into, and the 16-bit step's working block (counted from its kernel: ~41 B an
-    element of fp32 and integer temporaries, rounded up to 48); the GPU's landing chunks are bf16; a
+    gradients are widened into, and the 16-bit step's preallocated block and stochastic rounding's table of
+    random bits (low_precision.host_bytes, what a Workspace and a RandomBits allocate); the GPU's landing
+    chunks are bf16; a
     checkpoint holds the 16-bit weights and the three bf16 optimizer buffers less the gradients (8 B/param)."""
     from fitone import checkpoint
     from fitone.zero2.layout import WIDEN_ELEMENTS
-    from fitone.zero2.low_precision import BLOCK_ELEMENTS
+    from fitone.zero2.low_precision import STOCHASTIC, RandomBits, Workspace, host_bytes
     from fitone.zero2.overlap import UPLOAD_CHUNK
 
     exact = plan(**{**T5_3B, "precision": "bf16"}, gpu_mem="24GiB", host_mem="256GiB")
@@ -521,9 +522,12 @@ def test_bf16_optimizer_states_hold_eight_bytes_a_parameter_on_the_host():
     assert small.optimizer_states == "bf16" and small.to_dict()["optimizer_states"] == "bf16"
     assert part(small, "host", "bf16 master weights") == part(small, "host", "gradients") == 2 * n
     assert part(small, "host", "Adam m and v") == 4 * n
-    assert part(small, "host", "16-bit step's blocks") == 48 * BLOCK_ELEMENTS
-    assert small.host_total == 8 * n + 4 * WIDEN_ELEMENTS + 48 * BLOCK_ELEMENTS + 2 * GIB
-    assert exact.host_total - small.host_total == 6 * n - 48 * BLOCK_ELEMENTS
+    work, bits = Workspace(), RandomBits(0)
+    held = sum(t.numel() * t.element_size() for t in (*vars(work).values(), bits.table) if torch.is_tensor(t))
+    assert part(small, "host", "16-bit step's blocks") == host_bytes(STOCHASTIC) == held
+    extra = host_bytes(STOCHASTIC)
+    assert small.host_total == 8 * n + 4 * WIDEN_ELEMENTS + extra + 2 * GIB
+    assert exact.host_total - small.host_total == 6 * n - extra
     assert part(small, "gpu", "pipelined-update landing") == 2 * 2 * UPLOAD_CHUNK
     assert part(exact, "gpu", "pipelined-update landing") == 2 * 4 * UPLOAD_CHUNK
     assert small.checkpoint_bytes == checkpoint.checkpoint_bytes(n, "bf16", "bf16") == 8 * n + 4 * 2**20

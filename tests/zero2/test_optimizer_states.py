@@ -102,9 +102,11 @@ def test_a_checkpoint_of_the_other_mode_is_refused_in_one_line(tmp_path):
     exact, small = tmp_path / "exact", tmp_path / "small"
     fitone.train(cpu_config(**common, out=str(exact)))
     fitone.train(cpu_config(**common, optimizer_states="bf16", out=str(small)))
+    before = sorted((p.relative_to(exact), p.stat().st_mtime_ns) for p in exact.rglob("*"))
     with pytest.raises(RunDirError, match="holds fp32 optimizer states and this run keeps bf16 ones: resume with "
                                           "--optimizer-states fp32"):
         fitone.train(cpu_config(**{**common, "max_steps": 4}, optimizer_states="bf16", out=str(exact), resume=True))
+    assert sorted((p.relative_to(exact), p.stat().st_mtime_ns) for p in exact.rglob("*")) == before  # untouched
     code, _out, err = run_main(["train", "--model", "t5-tiny", "--from-scratch", "--data", "sample", "--src-len", "8",
                                 "--tgt-len", "48", "--batch-size", "8", "--precision", "bf16", "--device", "cpu",
                                 "--eval-examples", "0", "--no-progress", "--max-steps", "4", "--save-every", "2",
