@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from fitone.errors import RunDirError
+from fitone.errors import FitoneError, RunDirError
 from fitone.zero2 import cpu_adam, wrapped_optimizer
 
 if TYPE_CHECKING:  # engine.py imports DeepSpeed; the checkpoint functions only call its methods
@@ -153,19 +153,21 @@ def save(engine: Engine, run_dir: str | Path, step: int, state: dict[str, Any], 
 
 
 # What a checkpoint holds, per parameter: the model states file has the weights as trained (16 or 32 bits), the
-# ZeRO-2 optimizer file the fp32 master and Adam's two fp32 moments (no gradients). Beside them: DeepSpeed's
+# ZeRO-2 optimizer file the fp32 master and Adam's two fp32 moments (no gradients; half that in bf16 with
+# --optimizer-states bf16). Beside them: DeepSpeed's
 # zero_to_fp32.py helpers, the pickled names, shapes and slice mappings, the RNG, schedule and fitone's state
 # (67 KB for the tiny models; tests/test_checkpoint.py measures the bytes written against this).
 OPTIMIZER_BYTES_PER_PARAM = 12
 CHECKPOINT_OVERHEAD = 4 * 2**20
 
 
-def checkpoint_bytes(n_params: int, precision: str) -> int:
+def checkpoint_bytes(n_params: int, precision: str, optimizer_states: str = "fp32") -> int:
     """Disk bytes of one checkpoint of a model with `n_params` parameters trained in `precision`
-    (fp16/bf16/fp32): 14 B/param in 16 bits, 16 in fp32, plus a little; for `--save-every`'s disk check
-    and the plan."""
+    (fp16/bf16/fp32): 14 B/param in 16 bits, 16 in fp32, 8 with bf16 `optimizer_states`, plus a little; for
+    `--save-every`'s disk check and the plan."""
     weight_bytes = 4 if precision == "fp32" else 2
-    return n_params * (weight_bytes + OPTIMIZER_BYTES_PER_PARAM) + CHECKPOINT_OVERHEAD
+    optimizer = OPTIMIZER_BYTES_PER_PARAM if optimizer_states == "fp32" else OPTIMIZER_BYTES_PER_PARAM // 2
+    return n_params * (weight_bytes + optimizer) + CHECKPOINT_OVERHEAD
 
 
 # torch.save pickles the names, shapes, slice mappings, RNG and schedule (well under 1 MiB for a 7B model) and
@@ -216,6 +218,8 @@ def load(engine: Engine, ckpt: Path) -> dict[str, Any]:
     """Restore model, optimizer, loss scaler and LR schedule (DeepSpeed) and RNG; return fitone's state."""
     try:
         client = engine.load(str(ckpt.parent), ckpt.name)
+    except FitoneError:  # already one line naming the fix (another --optimizer-states)
+        raise
     except Exception as exc:  # a mismatched architecture or DeepSpeed setup fails deep inside DeepSpeed
         raise RunDirError(f"cannot load checkpoint {ckpt} ({_first_line(exc)}): it does not match this model or "
                           "its settings; resume with the options it was written with, or start over in another --out"

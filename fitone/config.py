@@ -25,6 +25,9 @@ DEVICES = ("auto", "cuda", "cpu")
 LR_SCHEDULES = ("constant", "linear", "cosine")
 REPORT_TO = ("tensorboard", "wandb")
 PREFER_BATCH = ("throughput", "largest")  # what --batch-size auto and probe-batch choose (fitone.probe.choice)
+# the optimizer's host state: fp32 (exact), or bf16 master weights and moments rounded stochastically (bf16)
+# or to the nearest (bf16-nearest), in the pipelined update (fitone.zero2.low_precision)
+OPTIMIZER_STATES = ("fp32", "bf16", "bf16-nearest")
 
 def resolve_precision(precision: str, on_gpu: bool) -> str:
     """'auto' (the default) is fp16 with loss scaling on a GPU and fp32 on the CPU, where DeepSpeed refuses fp16."""
@@ -81,6 +84,7 @@ class TrainConfig:
     # the update pipelined into the next forward (fitone.zero2.overlap); None: on where it helps (one GPU, CPU
     # offload: fitone.zero2.step_mode), False: DeepSpeed's own step, True: asked for (an error where it cannot run)
     pipelined_update: bool | None = None
+    optimizer_states: str = "fp32"  # one of OPTIMIZER_STATES; bf16 ones need --precision bf16 (fitone.zero2.step_mode)
     ds_config: str | None = None
     max_gpu_memory: str | None = None
     expandable_segments: bool = True  # CUDA allocator: grow segments in place instead of fragmenting
@@ -174,7 +178,7 @@ class TrainConfig:
         if self.grad_accum is not None and self.global_batch is not None:
             raise ConfigError("give --grad-accum or --global-batch, not both (one is derived from the other)")
         for name, choices in (("precision", PRECISIONS), ("lr_schedule", LR_SCHEDULES), ("offload", OFFLOADS),
-                              ("prefer_batch", PREFER_BATCH)):
+                              ("prefer_batch", PREFER_BATCH), ("optimizer_states", OPTIMIZER_STATES)):
             _one_of(name, getattr(self, name), choices)
         self._check_update_modes()
         _one_of("device", self.device, DEVICES)
@@ -229,6 +233,9 @@ class TrainConfig:
         for flag, on in (("--delayed-update", self.delayed_update), ("--pipelined-update", self.pipelined_update)):
             if on and self.offload != "cpu":
                 raise ConfigError(f"{flag} overlaps the CPU optimizer with the GPU: it needs --offload cpu")
+        if self.optimizer_states != "fp32" and self.offload != "cpu":
+            raise ConfigError(f"--optimizer-states {self.optimizer_states} keeps ZeRO-2's offloaded optimizer state in "
+                              "16 bits on the host: it needs --offload cpu")
         if self.delayed_update_after < 0:
             raise ConfigError(f"--delayed-update-after must be 0 or more, got {self.delayed_update_after}")
 
@@ -319,6 +326,7 @@ class MemorySettings(_Section):
     delayed_update: bool
     delayed_update_after: int
     pipelined_update: bool | None
+    optimizer_states: str
     ds_config: str | None
     max_gpu_memory: str | None
     expandable_segments: bool

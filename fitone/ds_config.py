@@ -73,6 +73,8 @@ def sections(cfg: TrainConfig, *, precision: str, on_gpu: bool, user: dict[str, 
         ds["fp16"] = loss_scale_section()
     elif precision == "bf16":
         ds["bf16"] = {"enabled": True}
+        if cfg.optimizer_states != "fp32":  # 16-bit master, gradients, moments on the host (fitone.zero2.low_precision)
+            ds["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
     if user:
         ds = merge(ds, user)
     if cfg.offload == "none":

@@ -23,10 +23,12 @@ class Engine:
     """A DeepSpeed ZeRO-2 engine around a model, with the few operations training and probing need."""
 
     def __init__(self, model: torch.nn.Module, ds_config: dict[str, Any], *, delayed_after: int | None = None,
-                 pipelined: bool = False):
+                 pipelined: bool = False, states: str = "fp32", rounding_seed: int = 0):
         """delayed_after: start the one-step delayed parameter update after that many plain steps;
-        pipelined: the pipelined update from the second step, on the lean host layout (fitone.zero2).
-        Default: DeepSpeed's step. A run's StepMode.engine_options() gives both."""
+        pipelined: the pipelined update from the second step, on the lean host layout (fitone.zero2);
+        states: its optimizer state in 16 bits ('bf16', 'bf16-nearest': `ds_config` has DeepSpeed's bf16 master
+        weights and states), rounded with `rounding_seed`. Default: DeepSpeed's step. A run's
+        StepMode.engine_options() gives them all."""
         import deepspeed
 
         from fitone.zero2 import delayed, grad_norm, layout, overflow, overlap, timing
@@ -49,7 +51,10 @@ class Engine:
             self.overlap = delayed.DelayedUpdate(self.optimizer, after=delayed_after)
         elif pipelined:
             self.host = layout.LeanHost(self.optimizer)
-            self.overlap = overlap.PipelinedUpdate(self.optimizer, self.ds.module, after=1, host=self.host)
+            self.overlap = overlap.PipelinedUpdate(self.optimizer, self.ds.module, after=1, host=self.host,
+                                                   states=states, rounding_seed=rounding_seed)
+        elif states != "fp32":
+            raise ValueError(f"optimizer states {states} run in the pipelined update only")
         memory.trim_heap()  # the model's host copy, moved to the GPU, would otherwise stay in the RSS
         # per-phase times for a benchmark inside zero2.timing.timed_engines(); None (no syncs added) otherwise
         self.timer = timing.timer_for(self.optimizer, on_gpu=self.ds.device.type == "cuda")

@@ -110,7 +110,8 @@ def _decide(cfg: TrainConfig, device: str, dist: DistInfo, *, planning: bool = F
     # which optimizer step: decided once (a flag it cannot honour refused) before any weights load
     mode = step_mode.decide(sections, delayed_update=cfg.delayed_update,
                             delayed_update_after=cfg.delayed_update_after, pipelined_update=cfg.pipelined_update,
-                            world_size=dist.world_size, on_gpu=on_gpu)
+                            world_size=dist.world_size, on_gpu=on_gpu, optimizer_states=cfg.optimizer_states,
+                            seed=cfg.seed)
     run = Run(settings=cfg, device=device, dist=dist, precision=precision, model_config=config,
               task=task_of(config), user_ds=user, ds_sections=sections, mode=mode,
               cap_bytes=parse_size(cfg.max_gpu_memory, "--max-gpu-memory"), config_notes=tuple(notes))

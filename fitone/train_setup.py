@@ -73,7 +73,8 @@ def check_disk(run: Run, resume_from: Path | None) -> None:
     n_params = model_shape(cfg, run.model_config)[0].n_params  # the pre-flight's (cached) meta build
     first = int(checkpoint.read_state(resume_from)["step"]) if resume_from else 0
     saves = None if cfg.max_steps is None else (cfg.max_steps - first) // cfg.save_every + 1  # + the end's
-    check_checkpoint_room(Path(cfg.out), checkpoint_bytes=checkpoint.checkpoint_bytes(n_params, run.precision),
+    size = checkpoint.checkpoint_bytes(n_params, run.precision, run.mode.states)
+    check_checkpoint_room(Path(cfg.out), checkpoint_bytes=size,
                           keep=cfg.keep_checkpoints, save_every=cfg.save_every, overwrite=cfg.overwrite,
                           saves=saves)
 
@@ -115,7 +116,12 @@ def step_mode_notes(run: Run) -> list[str]:
     """What the user hears of the optimizer step this run takes, where they did not pick it or picked the
     delayed one."""
     cfg, notes = run.settings, []
-    if run.mode.name == step_mode.PIPELINED and cfg.pipelined_update is None:
+    if run.mode.states != "fp32":
+        rounded = "stochastically" if run.mode.states == "bf16" else "to the nearest"
+        notes.append(f"optimizer states in bf16 (--optimizer-states {run.mode.states}): master weights and Adam's "
+                     f"moments, 8 B/param on the host, each step computed in fp32 and rounded {rounded}; the "
+                     "pipelined update runs it")
+    elif run.mode.name == step_mode.PIPELINED and cfg.pipelined_update is None:
         notes.append("optimizer step: the pipelined update (CPU Adam and upload overlapped with the next forward; "
                      "the same arithmetic as DeepSpeed's step, ~1.4x faster); --no-pipelined-update for DeepSpeed's")
     if cfg.delayed_update:

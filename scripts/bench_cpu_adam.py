@@ -2,10 +2,13 @@
 
 Median of 5 steps after one warm-up step, and the largest weight difference after them. With `--slices`,
 instead: the lean layout's update from 16-bit gradients (widen a slice into an fp32 scratch, then fused AdamW
-on it) at each slice size, to see what a scratch that stays in the CPU's cache saves (bench/NOTES.md).
+on it) at each slice size, to see what a scratch that stays in the CPU's cache saves (bench/NOTES.md). With
+`--states`: that update (one slice) against --optimizer-states bf16's step (fitone.zero2.low_precision) rounded
+to the nearest and stochastically, on the same gradients.
 
     python scripts/bench_cpu_adam.py --elements 100000000
     python scripts/bench_cpu_adam.py --elements 100000000 --slices 33554432,4194304,1048576
+    python scripts/bench_cpu_adam.py --elements 33554432 --states
 """
 
 from __future__ import annotations
@@ -26,7 +29,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--slices", default=None, help="comma-separated slice sizes (elements): time the widening + "
                     "AdamW from bf16 gradients at each")
+    ap.add_argument("--states", action="store_true", help="time the 16-bit optimizer states' step beside fp32's")
     args = ap.parse_args()
+    if args.states:
+        return sixteen_bit_states(args.elements, args.steps)
     if args.slices:
         return widened(args.elements, [int(x) for x in args.slices.split(",")], args.steps)
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.expanduser("~/.cache/fitone/torch_extensions"))
@@ -81,6 +87,39 @@ def widened(n: int, slices: list[int], steps: int) -> None:
               f"({torch.get_num_threads()} threads)", flush=True)
     first = next(iter(results.values()))
     print("weights bit-identical across slice sizes:", all(torch.equal(first, w) for w in results.values()))
+
+
+def sixteen_bit_states(n: int, steps: int) -> None:
+    """AdamW over n elements from bf16 gradients: fused on fp32 master and moments (the exact mode, one widened
+    slice), then fitone.zero2.low_precision's step on bf16 ones, to the nearest and stochastically."""
+    from fitone.zero2.low_precision import NEAREST, STOCHASTIC, RandomBits, Workspace, adamw_16bit
+
+    torch.manual_seed(0)
+    start, grad16 = torch.randn(n), (torch.randn(n) * 1e-3).bfloat16()
+    hyper = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    param, m, v, scratch = start.clone(), torch.zeros(n), torch.zeros(n), torch.empty(n)
+    p16, m16, v16 = start.bfloat16(), torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
+
+    def exact(k: int) -> None:
+        torch._fused_adamw_([param], [scratch.copy_(grad16)], [m], [v], [], [torch.tensor(float(k))], lr=1e-3,
+                            beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False)
+
+    bits, work = RandomBits(0), Workspace()  # as the pipelined update keeps them
+
+    def low(rounding: str):
+        return lambda k: adamw_16bit(p16, m16, v16, scratch.copy_(grad16), step=k, rounding=rounding, bits=bits,
+                                     work=work, **hyper)
+
+    for name, fn in (("fp32 states, fused", exact), ("bf16 states, nearest", low(NEAREST)),
+                     ("bf16 states, stochastic", low(STOCHASTIC))):
+        times = []
+        for k in range(1, steps + 2):
+            t0 = time.perf_counter()
+            fn(k)
+            if k > 1:  # the first pass warms the pages
+                times.append(time.perf_counter() - t0)
+        print(f"{name:24s} {statistics.median(times):.4f} s per step over {n:,} elements "
+              f"({torch.get_num_threads()} threads)", flush=True)
 
 
 if __name__ == "__main__":

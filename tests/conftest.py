@@ -37,7 +37,7 @@ def cpu_config(**overrides) -> TrainConfig:
 
 def tiny_engine(precision: str = "fp32", model: str = "t5-tiny", *, grad_accum: int = 1, gpu_ds_config: bool = False,
                 lean: bool = False, lean_host: bool = True, chunk: int | None = None, pipelined: bool = False,
-                delayed_after: int | None = None):
+                delayed_after: int | None = None, states: str = "fp32", rounding_seed: int = 0):
     """A real ZeRO-2 CPU-offload engine on the tiny T5 (or `model`; seeded weights, micro-batch 4, constant lr
     1e-3, clip 1.0 so the clip path runs), the one engine builder of the CPU tests.
 
@@ -45,7 +45,8 @@ def tiny_engine(precision: str = "fp32", model: str = "t5-tiny", *, grad_accum: 
     run gets (pin_memory, overlap_comm), on this CPU engine. `lean`: the lean host layout in chunks of `chunk`
     elements with no update on it (only to compare gradients: DeepSpeed's own step is refused there), its
     LeanHost left to the test with `lean_host=False`; `chunk` with `pipelined`: the pipelined update and its
-    layout built here in such chunks, instead of by the Engine."""
+    layout built here in such chunks, instead of by the Engine. `states`: --optimizer-states (bf16 ones run the
+    pipelined update, seeded by `rounding_seed`)."""
     import torch
 
     from fitone.ds_config import build_ds_config
@@ -54,7 +55,9 @@ def tiny_engine(precision: str = "fp32", model: str = "t5-tiny", *, grad_accum: 
     from fitone.models import build_model, load_config
     from fitone.zero2 import layout, overlap
 
-    cfg = cpu_config(precision=precision, lr=1e-3, lr_schedule="constant", warmup_steps=0, grad_accum=grad_accum)
+    cfg = cpu_config(precision=precision, lr=1e-3, lr_schedule="constant", warmup_steps=0, grad_accum=grad_accum,
+                     optimizer_states=states)
+    pipelined = pipelined or states != "fp32"
     run = start_runtime(cfg)
     torch.manual_seed(0)
     module = build_model(load_config(model, from_scratch=True))
@@ -64,13 +67,15 @@ def tiny_engine(precision: str = "fp32", model: str = "t5-tiny", *, grad_accum: 
     chunked = lean or bool(pipelined and chunk)
     if chunked:
         ds = layout.lean_offload_config(ds)
-    engine = Engine(module, ds, pipelined=pipelined and not chunked, delayed_after=delayed_after)
+    engine = Engine(module, ds, pipelined=pipelined and not chunked, delayed_after=delayed_after,
+                    states="fp32" if chunked else states, rounding_seed=rounding_seed)
     if chunked and lean_host:
         # Adam's widened slices a quarter of a chunk, so the tests' chunks each run several
         engine.host = layout.LeanHost(engine.optimizer, chunk_elements=chunk,
                                       widen_elements=chunk // 4 if chunk and chunk % (4 * 256) == 0 else None)
     if pipelined and chunked:
-        engine.overlap = overlap.PipelinedUpdate(engine.optimizer, engine.module, after=1, host=engine.host)
+        engine.overlap = overlap.PipelinedUpdate(engine.optimizer, engine.module, after=1, host=engine.host,
+                                                 states=states, rounding_seed=rounding_seed)
     return engine
 
 

@@ -345,11 +345,11 @@ def test_an_untested_transformers_gets_save_pretrained_and_one_warning_line(tmp_
 
 
 # -- what a save costs: disk and host RAM -----------------------------------------------------------
-def _stepped_engine(precision: str, model: str):
+def _stepped_engine(precision: str, model: str, states: str = "fp32"):
     """A real engine after one optimizer step (Adam's moments exist from the first)."""
     from conftest import fixed_batch, tiny_engine
 
-    engine = tiny_engine(precision, model=model)
+    engine = tiny_engine(precision, model=model, states=states)
     batch = fixed_batch(1)
     if model.startswith("gpt2"):
         batch = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"],
@@ -359,20 +359,22 @@ def _stepped_engine(precision: str, model: str):
     return engine
 
 
-@pytest.mark.parametrize("model, precision", [("t5-tiny", "fp32"), ("gpt2-tiny", "bf16")])
-def test_a_checkpoints_bytes_on_disk_are_what_checkpoint_bytes_counts(tmp_path, model, precision):
-    """The weights as trained + the fp32 master + Adam's two fp32 moments per parameter, and a little: the
-    per-parameter part is pinned to the byte (a byte per parameter off would be ~0.5-1 MB here)."""
-    engine = _stepped_engine(precision, model)
+@pytest.mark.parametrize("model, precision, states", [("t5-tiny", "fp32", "fp32"), ("gpt2-tiny", "bf16", "fp32"),
+                                                     ("gpt2-tiny", "bf16", "bf16")])
+def test_a_checkpoints_bytes_on_disk_are_what_checkpoint_bytes_counts(tmp_path, model, precision, states):
+    """The weights as trained + the fp32 master + Adam's two fp32 moments per parameter (bf16 ones with
+    --optimizer-states bf16), and a little: the per-parameter part is pinned to the byte (a byte per
+    parameter off would be ~0.5-1 MB here)."""
+    engine = _stepped_engine(precision, model, states)
     try:
         ckpt = checkpoint.save(engine, tmp_path, 1, {"step": 1}, keep=1, is_main=True)
         n_params = sum(p.numel() for p in engine.module.parameters())  # tied weights once
     finally:
         engine.close()
     written = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
-    per_param = checkpoint.checkpoint_bytes(n_params, precision) - checkpoint.CHECKPOINT_OVERHEAD
+    per_param = checkpoint.checkpoint_bytes(n_params, precision, states) - checkpoint.CHECKPOINT_OVERHEAD
     assert per_param <= written <= per_param + 256 * 2**10, (written, per_param)  # the rest: scripts, pickles
-    assert written <= checkpoint.checkpoint_bytes(n_params, precision)
+    assert written <= checkpoint.checkpoint_bytes(n_params, precision, states)
 
 
 def test_a_save_copies_nothing_that_lies_on_the_host(tmp_path):

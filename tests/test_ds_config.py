@@ -148,3 +148,16 @@ def test_asking_for_the_pipelined_update_under_several_ranks_is_a_user_error():
 def test_pipelined_update_takes_true_false_or_auto():
     with pytest.raises(ConfigError, match="true, false or auto"):
         TrainConfig(model="t5-tiny", pipelined_update="sometimes")
+
+
+def test_bf16_optimizer_states_are_deepspeeds_bf16_master_weights_and_states_in_the_pipelined_update():
+    for states in ("bf16", "bf16-nearest"):
+        ds = ds_for(TrainConfig(precision="bf16", optimizer_states=states), micro_batch=1)
+        assert ds["bf16"] == {"enabled": True, "bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+        assert "fp16" not in ds
+    # the one step that runs the 16-bit arithmetic, also where the pipelined update is not the default
+    assert _mode(precision="bf16", optimizer_states="bf16", on_gpu=False) == "pipelined"
+    with pytest.raises(ConfigError, match="runs in the pipelined update, on one GPU"):
+        _mode(precision="bf16", optimizer_states="bf16", world_size=2)
+    with pytest.raises(ConfigError, match="--optimizer-states must be one of fp32, bf16, bf16-nearest"):
+        TrainConfig(model="t5-tiny", optimizer_states="fp8")

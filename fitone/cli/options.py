@@ -9,7 +9,7 @@ import argparse
 import dataclasses
 from typing import Any, Iterable
 
-from fitone.config import DEVICES, LR_SCHEDULES, OFFLOADS, PRECISIONS, PREFER_BATCH, TrainConfig
+from fitone.config import DEVICES, LR_SCHEDULES, OFFLOADS, OPTIMIZER_STATES, PRECISIONS, PREFER_BATCH, TrainConfig
 from fitone.errors import ConfigError
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
@@ -64,6 +64,10 @@ FLAGS: dict[str, tuple[Any, str]] = {
     "pipelined_update": (bool, "run each step's CPU Adam and upload chunk by chunk while the next forward "
                                "runs, each layer waiting for its own weights (--no-pipelined-update: DeepSpeed's "
                                "own step)"),
+    "optimizer_states": (OPTIMIZER_STATES, "the optimizer's host state: fp32 (exact, 14 B/param), or bf16 master "
+                                           "weights and moments (8 B/param; needs --precision bf16, runs the "
+                                           "pipelined update) rounded stochastically (bf16) or to the nearest "
+                                           "(bf16-nearest, which loses updates under ~0.2-0.4% of a weight)"),
     "ds_config": (str, "a DeepSpeed JSON file merged over the generated config"),
     "max_gpu_memory": (str, "cap the CUDA allocator, e.g. 23GiB, to stand for a smaller card"),
     "expandable_segments": (bool, "CUDA allocator with expandable segments (less fragmentation; unless "

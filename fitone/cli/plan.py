@@ -9,7 +9,8 @@ import sys
 from fitone.cli.options import add_config_flags, add_recipe_arguments, config_from_args
 
 FLAGS = ("model", "from_scratch", "src_len", "tgt_len", "seq_len", "pack", "batch_size", "grad_accum", "global_batch",
-         "precision", "activation_checkpointing", "offload", "delayed_update", "pipelined_update", "ds_config",
+         "precision", "activation_checkpointing", "offload", "delayed_update", "pipelined_update",
+         "optimizer_states", "ds_config",
          "max_gpu_memory", "device")
 
 

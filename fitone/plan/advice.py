@@ -110,6 +110,8 @@ def _host_tips(p: Plan, st: _Setup, gpu_on: int) -> list[str]:
     """What would bring host RAM under what is available."""
     tips = [f"a machine with at least {_g(p.host_export) + 1:.0f} GiB of host RAM "
             f"({_g(p.short['host']):.1f} GiB more than available)"]
+    if p.host_export_16bit_states is not None:
+        tips.append(sixteen_bit_states_fix(p, p.host_export_16bit_states))
     pinned = sum(c.bytes for c in p.host if c.name == "pinned rounding")
     if pinned:
         tips.append(f"\"pin_memory\": false under offload_optimizer in a --ds-config file: saves "
@@ -118,3 +120,11 @@ def _host_tips(p: Plan, st: _Setup, gpu_on: int) -> list[str]:
         tips.append("--offload none: the GPU can hold the optimizer states")
     tips.append("a smaller model")
     return tips
+
+
+def sixteen_bit_states_fix(p: Plan, need: int) -> str:
+    """The --optimizer-states bf16 fix, with the host RAM (`need` bytes) the run would take under it."""
+    flags = "--optimizer-states bf16" + ("" if p.precision == "bf16" else " --precision bf16")
+    fits = "" if need <= p.host_available else ", still more than available"
+    return (f"{flags} (bf16 master weights and Adam moments, 8 B/param, rounded stochastically: "
+            f"not the exact arithmetic): needs {_g(need):.1f} GiB of host RAM{fits}")

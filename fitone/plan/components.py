@@ -14,7 +14,7 @@ from fitone import checkpoint, hf_export, memory, zero2
 from fitone.plan.activations import Lengths, activation_bytes, fused_loss_fixed_bytes
 from fitone.plan.shape import ModelShape
 from fitone.units import GIB, gib, parse_size
-from fitone.zero2 import layout, overlap
+from fitone.zero2 import layout, low_precision, overlap
 
 CATEGORIES = ("weights", "gradients", "optimizer", "activations", "buffers", "overhead")
 
@@ -67,6 +67,10 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     deepspeed_estimate: dict[str, int] | None = None
     gpu_init: list[Component] = field(default_factory=list)  # per rank, at the engine's init
+    optimizer_states: str = "fp32"  # --optimizer-states
+    # host_total of the same run under --optimizer-states bf16 (None: not planned: asked for already, no CPU
+    # offload, or several ranks, where the 16-bit step does not run)
+    host_total_16bit_states: int | None = None
 
     @property
     def gpu_init_total(self) -> int:
@@ -94,9 +98,16 @@ class Plan:
         return self.host_total + int(parse_size(hf_export.EXPORT_SHARD_SIZE, "shard size"))
 
     @property
+    def host_export_16bit_states(self) -> int | None:
+        """`host_export` under --optimizer-states bf16 (None where host_total_16bit_states is)."""
+        if self.host_total_16bit_states is None:
+            return None
+        return self.host_export - self.host_total + self.host_total_16bit_states
+
+    @property
     def checkpoint_bytes(self) -> int:
         """Disk bytes of one `--save-every` checkpoint of this model (fitone.checkpoint.checkpoint_bytes)."""
-        return checkpoint.checkpoint_bytes(self.n_params, self.precision)
+        return checkpoint.checkpoint_bytes(self.n_params, self.precision, self.optimizer_states)
 
     @property
     def host_states(self) -> int:
@@ -118,6 +129,9 @@ class Plan:
 
         return {
             "model": self.model, "family": self.family, "n_params": self.n_params, "precision": self.precision,
+            "optimizer_states": self.optimizer_states,
+            "host_export_16bit_states_gib": None if self.host_export_16bit_states is None
+            else _g(self.host_export_16bit_states),
             "offload": "cpu" if self.offload else "none", "gpus": self.gpus, "micro_batch": self.micro_batch,
             "lengths": self.lengths, "activation_checkpointing": self.activation_checkpointing,
             "gpu_gib": _g(self.gpu_total), "gpu_allocated_gib": _g(self.gpu_allocated),
@@ -183,10 +197,16 @@ class _Setup:
     delayed_update: bool = False  # a second fp32 gradient buffer (fitone.zero2.overlap)
     pipelined_update: bool = False  # two fp32 upload chunks on the GPU (fitone.zero2.overlap)
     fused_loss: str | None = None  # causal LMs: the fused LM head + loss's backend (fitone.loss), None: the model's
+    optimizer_states: str = "fp32"  # bf16 ones: bf16 master and moments on the lean layout (fitone.zero2.low_precision)
 
     @property
     def w(self) -> int:
         return 4 if self.precision == "fp32" else 2
+
+    @property
+    def master(self) -> int:
+        """Bytes per element of the master weights (and of each Adam moment) on the host."""
+        return 4 if self.optimizer_states == "fp32" else 2
 
     def per_sample(self, checkpointing: bool | None = None) -> int:
         ckpt = self.checkpointing if checkpointing is None else checkpointing
@@ -217,8 +237,10 @@ def _gpu_components(st: _Setup, offload: bool, micro_batch: int) -> list[Compone
                                + (", an fp32 copy for the CPU" if upcast else "")))
     if offload:
         if st.pipelined_update and st.on_gpu:
-            comps.append(Component("pipelined-update landing", "buffers", 2 * 4 * min(overlap.UPLOAD_CHUNK, part),
-                                   "two fp32 chunks: the updated master goes up and is cast on the GPU"))
+            kind = "fp32" if st.master == 4 else "bf16"
+            comps.append(Component("pipelined-update landing", "buffers",
+                                   2 * st.master * min(overlap.UPLOAD_CHUNK, part),
+                                   f"two {kind} chunks: the updated master goes up and is cast on the GPU"))
     else:
         comps.append(Component("gradient partition", "gradients", w * part,
                                f"{bits} grads of this rank's partition"))  # grads_in_partition, line 2192
@@ -279,17 +301,8 @@ def _host_components(st: _Setup, offload: bool) -> list[Component]:
         return [Component("model load", "weights", 4 * s.n_params, "fp32 weights on the CPU before they move"),
                 Component("process baseline", "overhead", baseline, "python, torch, CUDA, DeepSpeed")]
     if st.pipelined_update:  # the lean host layout (fitone.zero2.layout): the arithmetic's 14 B/param, little else
-        comps = [
-            Component("fp32 master weights", "weights", 4 * part, "4 B/param, page-locked in place"),
-            Component("gradients", "gradients", w * part,
-                      f"{w} B/param in the dtype DeepSpeed sums them in, page-locked in place; also the sums "
-                      "between micro-batches"),
-            Component("Adam m and v", "optimizer", 8 * part, "8 B/param, DeepSpeedCPUAdam states"),
-        ]
-        if w < 4:
-            comps.append(Component("fp32 gradient chunk", "buffers", 4 * min(part, layout.WIDEN_ELEMENTS),
-                                   "the gradients widened for Adam a slice at a time"))
-        return comps + [Component("process baseline", "overhead", baseline, "python, torch, CUDA, DeepSpeed")]
+        return _lean_host_components(st, part) + [
+            Component("process baseline", "overhead", baseline, "python, torch, CUDA, DeepSpeed")]
     pin = _pow2 if st.pin_memory else (lambda x: x)
     pinned = " pinned" if st.pin_memory else ""
     master, grads, staging = 4 * part, 4 * part, w * part
@@ -318,6 +331,29 @@ def _host_components(st: _Setup, offload: bool) -> list[Component]:
         comps.append(Component("pinned rounding", "overhead", rounded - exact,
                                "PyTorch rounds pinned blocks up to a power of two"))
     comps.append(Component("process baseline", "overhead", baseline, "python, torch, CUDA, DeepSpeed"))
+    return comps
+
+
+def _lean_host_components(st: _Setup, part: int) -> list[Component]:
+    """The lean layout's host buffers: 14 B/param (16 in fp32 training), 8 with --optimizer-states bf16."""
+    w, m = st.w, st.master
+    kind = "fp32" if m == 4 else "bf16"
+    comps = [
+        Component(f"{kind} master weights", "weights", m * part, f"{m} B/param, page-locked in place"),
+        Component("gradients", "gradients", w * part,
+                  f"{w} B/param in the dtype DeepSpeed sums them in, page-locked in place; also the sums "
+                  "between micro-batches"),
+        Component("Adam m and v", "optimizer", 2 * m * part,
+                  f"{2 * m} B/param, DeepSpeedCPUAdam's states" + ("" if m == 4 else " in bf16")),
+    ]
+    if w < 4:
+        comps.append(Component("fp32 gradient chunk", "buffers", 4 * min(part, layout.WIDEN_ELEMENTS),
+                               "the gradients widened for Adam a slice at a time"))
+    if m < 4:  # low_precision.adamw_16bit's blocks, and stochastic rounding's table of random bits
+        rounding = low_precision.ROUNDING_OF_STATES[st.optimizer_states]
+        comps.append(Component("16-bit step's blocks", "buffers", low_precision.host_bytes(rounding),
+                               "one block of fp32 master, moments and gradient"
+                               + (", the random bits' table" if rounding == low_precision.STOCHASTIC else "")))
     return comps
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from fitone import memory
@@ -11,7 +12,7 @@ from fitone.loss import backend_for
 from fitone.run import Run, resolve_planned
 from fitone.zero2 import step_mode
 from fitone.plan.activations import Lengths
-from fitone.plan.advice import DOES_NOT_FIT, FITS_WITH_OFFLOAD, _judge
+from fitone.plan.advice import DOES_NOT_FIT, FITS_WITH_OFFLOAD, _judge, sixteen_bit_states_fix
 from fitone.plan.components import (CUDA_CONTEXT, Plan, _deepspeed_estimate, _g, _gpu_components,
                                     _gpu_init_components, _host_components, _largest_batch, _Setup)
 from fitone.plan.shape import model_shape
@@ -59,6 +60,8 @@ def preflight(run: Run) -> Plan:
         fixes = ["a machine with more host RAM"]
         if p.offload and p.gpu_limit is not None and p.gpu_total_without_offload <= p.gpu_limit:
             fixes.append("--offload none (the GPU can hold the optimizer states)")
+        if p.host_export_16bit_states is not None:
+            fixes.append(sixteen_bit_states_fix(p, need - p.host_export + p.host_export_16bit_states))
         pinned = sum(c.bytes for c in p.host if c.name == "pinned rounding")
         if pinned > 0.05 * need:
             fixes.append(f"\"pin_memory\": false under offload_optimizer in --ds-config (saves {_g(pinned):.1f} GiB)")
@@ -131,6 +134,15 @@ def _gpu_limit(run: Run, gpu_mem: int | str | None) -> tuple[int | None, str]:
     return card, source
 
 
+def _host_total_16bit_states(st: _Setup, offload: bool) -> int | None:
+    """The host total of this run under --optimizer-states bf16 (and so bf16 training in the pipelined update),
+    where that option could run and is not given."""
+    if not offload or st.gpus > 1 or st.optimizer_states != "fp32":
+        return None
+    alt = dataclasses.replace(st, precision="bf16", optimizer_states="bf16", pipelined_update=True)
+    return sum(c.bytes for c in _host_components(alt, True))
+
+
 def _host_available(host_mem: int | str | None) -> int:
     # this process's own memory comes back when `fitone plan` exits, and in train it is the baseline
     return parse_size(host_mem, "--host-mem") or memory.host_available_bytes() + memory.host_rss_bytes()
@@ -163,7 +175,7 @@ def _make_plan(run: Run, *, micro_batch: int | None, accumulation: int, gpu_limi
                                        encoder_decoder=shape.encoder_decoder,
                                        router_loss=bool(getattr(config, "output_router_logits", False)))
                 if cfg.fused_loss else None,
-                pipelined_update=run.mode.name == step_mode.PIPELINED)
+                pipelined_update=run.mode.name == step_mode.PIPELINED, optimizer_states=run.mode.states)
 
     def gpu_peak(b: int, off: bool, setup: _Setup = st) -> int:
         """The GPU peak at micro-batch b: a step's, or the engine init's where that is higher."""
@@ -193,7 +205,8 @@ def _make_plan(run: Run, *, micro_batch: int | None, accumulation: int, gpu_limi
         max_micro_batch_without_offload=max_batch(False), gpu_total_without_offload=gpu_peak(micro_batch, False),
         host_total_without_offload=host_no, verdict=DOES_NOT_FIT, notes=notes,
         deepspeed_estimate=_deepspeed_estimate(shape.n_params, gpus, offload),
-        gpu_init=_gpu_init_components(st, offload),
+        gpu_init=_gpu_init_components(st, offload), optimizer_states=run.mode.states,
+        host_total_16bit_states=_host_total_16bit_states(st, offload),
     )
     # an 'auto' micro-batch is probed later: it fits if a micro-batch of 1 does
     _judge(p, st, gpu_peak, max_batch, judge_at=1 if auto else micro_batch)

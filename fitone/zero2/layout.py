@@ -16,10 +16,13 @@ Why each exists (measured in bench/results/2026-11-30-issue19/):
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 from typing import Any, Iterator
 
 import torch
+
+from fitone.errors import RunDirError
 
 GROUP_ELEMENTS = 2**27  # 256 MiB of 16-bit weights per group: the init peak's extra is about two of these
 CHUNK_ELEMENTS = 32 * 2**20  # the lean layout's unit of work on its gradients: the GPU sums, the uploads
@@ -76,7 +79,8 @@ def lean_offload_config(ds: dict[str, Any]) -> dict[str, Any]:
 class LeanHost:
     """A ZeRO-2 CPU-offload optimizer holding only what its arithmetic needs on the host: the fp32 master,
     the gradients in the 16 bits DeepSpeed sums them in, and Adam's two moments (14 B/param; fp32 training
-    keeps DeepSpeed's fp32 gradients, 16 B/param).
+    keeps DeepSpeed's fp32 gradients, 16 B/param; DeepSpeed's bf16 master weights and optimizer states, what
+    --optimizer-states bf16 builds, 8 B/param: the same buffers in bf16, the gradients DeepSpeed's own).
 
     - The gradients (`gradients`, one flat buffer per group) are the 16-bit values DeepSpeed would have
       widened to fp32 on the GPU before the copy (`grad16.float()`), so they say the same numbers in half the
@@ -295,7 +299,8 @@ class LeanHost:
         masters = opt.single_partition_of_fp32_groups
         moments = sum(t.numel() * t.element_size() for m in masters for k, t in opt.optimizer.state[m].items()
                       if isinstance(t, torch.Tensor) and k in ("exp_avg", "exp_avg_sq"))
-        return {"fp32 master": sum(m.numel() * 4 for m in masters),
+        kind = "bf16" if masters[0].dtype == torch.bfloat16 else "fp32"  # --optimizer-states bf16: DeepSpeed's bf16 one
+        return {f"{kind} master": sum(m.numel() * m.element_size() for m in masters),
                 "gradients": sum(g.numel() * g.element_size() for g in self.gradients),
                 "Adam moments": moments,
                 "fp32 upcast": 0 if self._upcast is None else self._upcast.numel() * 4}
@@ -346,15 +351,33 @@ def regroup_saved_state(saved: dict[str, Any], opt: Any) -> dict[str, Any]:
                                       "param_slice_mappings") if k in target}}
 
 
+def check_saved_states(saved: dict[str, Any], opt: Any, path: str) -> None:
+    """Refuse, in one line, an optimizer state saved with other --optimizer-states than `opt` holds: DeepSpeed
+    would cast it silently (fp32 rounded to bf16, or bf16 widened, as if it were the exact mode's)."""
+    masters = saved.get("single_partition_of_fp32_groups") or []
+    if not masters or not isinstance(masters[0], torch.Tensor):
+        return
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+    was, now = (names.get(t.dtype, str(t.dtype)) for t in (masters[0], opt.single_partition_of_fp32_groups[0]))
+    if was != now:
+        raise RunDirError(f"checkpoint {os.path.dirname(path)} holds {was} optimizer states and this run keeps {now} "
+                          f"ones: resume with "
+                          f"--optimizer-states {was if was == 'fp32' else 'bf16 (or bf16-nearest)'}, or start a new "
+                          "run from the exported model (final/)")
+
+
 @contextmanager
 def loading_across_layouts(ds_engine: Any, opt: Any) -> Iterator[None]:
     """While DeepSpeed loads a checkpoint: an optimizer state saved under other parameter groups is laid
-    out in this engine's groups first (`regroup_saved_state`); one saved under the same groups is as saved."""
+    out in this engine's groups first (`regroup_saved_state`); one saved under the same groups is as saved.
+    One saved with other --optimizer-states is refused (`check_saved_states`)."""
     engine_load = ds_engine.checkpoint_engine.load
 
     def load(path: str, *args: Any, **kwargs: Any) -> Any:
         loaded = engine_load(path, *args, **kwargs)
         saved = loaded.get("optimizer_state_dict") if isinstance(loaded, dict) else None
+        if isinstance(saved, dict):
+            check_saved_states(saved, opt, path)
         if isinstance(saved, dict) and "param_slice_mappings" in saved:
             names = [list(m) for m in saved["param_slice_mappings"]]
             if names != [list(m) for m in opt._param_slice_mappings]:

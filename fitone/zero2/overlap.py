@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from fitone.zero2 import low_precision
 from fitone.zero2.layout import CHUNK_ELEMENTS, world_size
 
 UPLOAD_CHUNK = CHUNK_ELEMENTS  # elements per pipelined Adam + upload chunk (two fp32 chunks on the GPU: 256 MiB)
@@ -187,6 +188,10 @@ class PipelinedUpdate(OverlappedStep):
     step, applied before `step` returns: DeepSpeed's own step would need a whole fp32 gradient. Without
     `host`, on DeepSpeed's own layout, its fp32 gradients are read and its own step runs first.
 
+    `states` 'bf16' or 'bf16-nearest' (on `host` only; DeepSpeed built with bf16_master_weights_and_grads and
+    bf16_optimizer_states): every step, the first ones too, is fitone.zero2.low_precision's on the bf16 master
+    and moments, rounded stochastically (bits keyed by `rounding_seed`) or to the nearest.
+
     One process only: with several ranks the updated partitions would have to be all-gathered before any
     forward could use them. `model` is the engine's module (forward pre-hooks go on its submodules).
     """
@@ -194,12 +199,20 @@ class PipelinedUpdate(OverlappedStep):
     name = "pipelined update"
 
     def __init__(self, optimizer: Any, model: torch.nn.Module, *, after: int, chunk_elements: int | None = None,
-                 host: Any = None):
+                 host: Any = None, states: str = "fp32", rounding_seed: int = 0):
         """chunk_elements: per Adam + upload chunk (default: the lean layout's chunk, else UPLOAD_CHUNK)."""
         super().__init__(optimizer, after=after)
         if world_size(optimizer) > 1:
             self.close()
             raise ValueError("the pipelined update runs on one GPU (one rank)")
+        self.rounding = low_precision.ROUNDING_OF_STATES.get(states)  # None: fp32 states, fused AdamW
+        self._bits = low_precision.RandomBits(rounding_seed) if self.rounding == low_precision.STOCHASTIC else None
+        self._work = low_precision.Workspace() if self.rounding is not None else None  # the update thread's
+        bf16_master = optimizer.single_partition_of_fp32_groups[0].dtype == torch.bfloat16
+        if (self.rounding is not None) != bf16_master or (bf16_master and host is None):
+            self.close()
+            raise ValueError(f"optimizer states {states} need the lean layout on DeepSpeed's bf16 master weights "
+                             "and states (bf16_master_weights_and_grads, bf16_optimizer_states), and only they")
         chunk_elements = chunk_elements or (host.chunk_elements if host is not None else UPLOAD_CHUNK)
         if host is not None and (chunk_elements % SIMD_BLOCK or host.widen_elements % SIMD_BLOCK
                                  or chunk_elements > host.chunk_elements
@@ -218,10 +231,11 @@ class PipelinedUpdate(OverlappedStep):
         if optimizer.bit16_groups_flat[0].is_cuda:
             self._side = torch.cuda.Stream()
             # two fp32 chunks on the GPU: a chunk's fp32 master goes up and is cast there, so the CPU
-            # skips DeepSpeed's fp32->16-bit staging pass (memory-bound, on the forward's critical path)
+            # skips DeepSpeed's fp32->16-bit staging pass (memory-bound, on the forward's critical path);
+            # a bf16 master (16-bit states) goes up as it is, in bf16 chunks
             size = max(hi - lo for ends in self.chunks for lo, hi in zip([0] + ends[:-1], ends))
-            self._landing = [torch.empty(size, dtype=torch.float32, device=optimizer.bit16_groups_flat[0].device)
-                             for _ in range(2)]
+            self._landing = [torch.empty(size, dtype=optimizer.single_partition_of_fp32_groups[0].dtype,
+                                         device=optimizer.bit16_groups_flat[0].device) for _ in range(2)]
         self._hooks = [m.register_forward_pre_hook(self._pre_forward(needs))
                        for m, needs in self._module_needs(model)]
 
@@ -299,7 +313,9 @@ class PipelinedUpdate(OverlappedStep):
         if self._side is not None:  # the copies must not overwrite weights the last backward still reads
             done = torch.cuda.Event()
             done.record()
-        if deepspeeds:
+        if self.rounding is not None:  # the 16-bit arithmetic from the first step on
+            kernel, scale = self._adam_16bit, self._combined_scale(norm)
+        elif deepspeeds:
             kernel, scale = self._deepspeeds_adam, norm
         else:
             kernel, scale = self._adam, self._combined_scale(norm)
@@ -322,6 +338,19 @@ class PipelinedUpdate(OverlappedStep):
         adam.ds_opt_adam.adam_update(adam.opt_id, step, hyper["lr"], beta1, beta2, hyper["eps"],
                                      hyper["weight_decay"], hyper["bias_correction"], master.data[lo:hi], grad,
                                      state["exp_avg"][lo:hi], state["exp_avg_sq"][lo:hi])
+
+    def _adam_16bit(self, i: int, grad: torch.Tensor, scale: float | None, hyper: dict[str, Any], step: int,
+                    lo: int, hi: int) -> None:
+        """AdamW on elements [lo, hi) of group i's bf16 master and moments (fitone.zero2.low_precision)."""
+        adam = self.opt.optimizer
+        master = self.opt.single_partition_of_fp32_groups[i]
+        state = adam.state[master]
+        low_precision.adamw_16bit(master.data[lo:hi], state["exp_avg"][lo:hi], state["exp_avg_sq"][lo:hi], grad,
+                                  step=step, lr=hyper["lr"], betas=hyper["betas"], eps=hyper["eps"],
+                                  weight_decay=hyper["weight_decay"], grad_scale=scale,
+                                  adam_w_mode=getattr(adam, "adam_w_mode", True),
+                                  bias_correction=hyper["bias_correction"], rounding=self.rounding,
+                                  bits=self._bits, group=i, offset=lo, work=self._work)
 
     def _cpu_update(self, kernel: Any, grads: list[torch.Tensor] | None, scale: Any, hyper: list[dict[str, Any]],
                     steps: list[int], backward_done: Any) -> dict[str, float]:
@@ -347,7 +376,7 @@ class PipelinedUpdate(OverlappedStep):
                     if self._side is not None:  # the side stream runs chunks in order: a landing buffer is
                         landing = self._landing[k % 2][:hi - lo]  # free once the cast two chunks back is done
                         with torch.cuda.stream(self._side):
-                            landing.copy_(master.data[lo:hi], non_blocking=True)  # pinned fp32 master
+                            landing.copy_(master.data[lo:hi], non_blocking=True)  # the pinned master
                             target.data[lo:hi].copy_(landing)
                             event = torch.cuda.Event()
                             event.record(self._side)

@@ -2,7 +2,8 @@
 
 Decided once per run (`decide`, called by fitone.run's `resolve` with the run's DeepSpeed sections, world size
 and device) and handed as a `StepMode` to the engine, the probe and the plan. Pipelined is the default where it
-is measured faster and trains the same (bench/NOTES.md): one GPU, DeepSpeedCPUAdam on the CPU.
+is measured faster and trains the same (bench/NOTES.md): one GPU, DeepSpeedCPUAdam on the CPU. The
+16-bit optimizer states (--optimizer-states bf16) run in the pipelined update only, on any device.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ class StepMode:
     one_gpu: str  # the step these settings take on one GPU: what a probe of them runs and records
     world_size: int = 1
     delayed_after: int = 0  # the delayed update's plain steps first
+    states: str = "fp32"  # the optimizer's host state (fitone.config.OPTIMIZER_STATES)
+    rounding_seed: int = 0  # keys stochastic rounding's bits (fitone.zero2.low_precision)
 
     @property
     def name(self) -> str:
@@ -39,11 +42,11 @@ class StepMode:
         """fitone.engine.Engine's keyword arguments: training and the probe build the same engine, so a
         probe's trials hold what training will hold (the pipelined update's landing chunks on the GPU)."""
         return {"delayed_after": self.delayed_after if self.name == DELAYED else None,
-                "pipelined": self.name == PIPELINED}
+                "pipelined": self.name == PIPELINED, "states": self.states, "rounding_seed": self.rounding_seed}
 
 
 def decide(ds: dict[str, Any], *, delayed_update: bool, delayed_update_after: int, pipelined_update: bool | None,
-           world_size: int, on_gpu: bool) -> StepMode:
+           world_size: int, on_gpu: bool, optimizer_states: str = "fp32", seed: int = 0) -> StepMode:
     """The step for these flags and `ds` (the DeepSpeed config, the user's --ds-config merged in); a flag that
     cannot be honoured is a ConfigError. A CPU device (nothing to overlap with) and a `ds` that moves the
     optimizer off the CPU, swaps in torch.optim's Adam or sums the gradients in another dtype than the weights'
@@ -63,6 +66,10 @@ def decide(ds: dict[str, Any], *, delayed_update: bool, delayed_update_after: in
     if pipelined_update and world_size > 1:
         raise ConfigError("--pipelined-update runs on one GPU: drop it under a launcher (several GPUs take "
                           "DeepSpeed's step)")
+    if optimizer_states != "fp32" or (ds.get("bf16") or {}).get("bf16_master_weights_and_grads"):
+        _check_16bit_states(ds, optimizer_states, cpu_adam=cpu_adam, lean=lean, delayed_update=delayed_update,
+                            pipelined_update=pipelined_update, world_size=world_size)
+        return StepMode(one_gpu=PIPELINED, world_size=world_size, states=optimizer_states, rounding_seed=seed)
     if delayed_update:
         one_gpu = DELAYED
     elif pipelined_update is not None:
@@ -72,6 +79,30 @@ def decide(ds: dict[str, Any], *, delayed_update: bool, delayed_update_after: in
         offloaded = (zero.get("offload_optimizer") or {}).get("device") == "cpu"
         one_gpu = PIPELINED if on_gpu and offloaded and cpu_adam and lean else DEEPSPEED
     return StepMode(one_gpu=one_gpu, world_size=world_size, delayed_after=delayed_update_after)
+
+
+def _check_16bit_states(ds: dict[str, Any], states: str, *, cpu_adam: bool, lean: bool, delayed_update: bool,
+                        pipelined_update: bool | None, world_size: int) -> None:
+    """16-bit optimizer states run in the pipelined update on the lean layout (its bf16 buffers are DeepSpeed's
+    bf16_master_weights_and_grads and bf16_optimizer_states, which ds_config.sections sets): the rest is refused."""
+    flag = f"--optimizer-states {states}"
+    if states == "fp32":
+        raise ConfigError("--ds-config sets bf16.bf16_master_weights_and_grads: drop it and give --optimizer-states "
+                          "bf16 (fitone's 16-bit step runs on those buffers)")
+    if not (ds.get("bf16") or {}).get("enabled"):
+        trained = "fp16" if (ds.get("fp16") or {}).get("enabled") else "fp32"
+        raise ConfigError(f"{flag} needs --precision bf16 ({trained} training given): DeepSpeed keeps 16-bit master "
+                          "weights and gradients in bf16 only for bf16 weights, so fp16 and fp32 runs keep "
+                          "--optimizer-states fp32")
+    zero = ds.get("zero_optimization") or {}
+    if (zero.get("offload_optimizer") or {}).get("device") != "cpu" or not cpu_adam or not lean:
+        raise ConfigError(f"{flag} runs on ZeRO-2's CPU offload with DeepSpeedCPUAdam, the gradients summed in the "
+                          "weights' dtype: drop offload_optimizer, the optimizer or data_types from --ds-config")
+    if delayed_update or pipelined_update is False:
+        raise ConfigError(f"{flag} runs in the pipelined update: drop "
+                          f"{'--delayed-update' if delayed_update else '--no-pipelined-update'}")
+    if world_size > 1:
+        raise ConfigError(f"{flag} runs in the pipelined update, on one GPU: drop it under a launcher")
 
 
 def _sums_in_another_dtype(ds: dict[str, Any]) -> bool:

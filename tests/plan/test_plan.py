@@ -502,3 +502,59 @@ def test_the_plan_reads_counts_in_words_and_names_no_deepspeed_source_lines(plan
     out = capsys.readouterr().out
     assert out.startswith(f"{path}: 115K params (")  # was 0.000115B
     assert not re.search(r"\blines? \d", out), out  # DeepSpeed's source lines are cited in the code, not the rows
+
+
+# -- --optimizer-states bf16 ----------------------------------------------------------------------------
+def test_bf16_optimizer_states_hold_eight_bytes_a_parameter_on_the_host():
+    """bf16 master 2 + bf16 gradients 2 + bf16 moments 4 B/param on the lean layout, the one fp32 slice the
+    gradients are widened into, and the 16-bit step's preallocated block and stochastic rounding's table of
+    random bits (low_precision.host_bytes, what a Workspace and a RandomBits allocate); the GPU's landing
+    chunks are bf16; a
+    checkpoint holds the 16-bit weights and the three bf16 optimizer buffers less the gradients (8 B/param)."""
+    from fitone import checkpoint
+    from fitone.zero2.layout import WIDEN_ELEMENTS
+    from fitone.zero2.low_precision import STOCHASTIC, RandomBits, Workspace, host_bytes
+    from fitone.zero2.overlap import UPLOAD_CHUNK
+
+    exact = plan(**{**T5_3B, "precision": "bf16"}, gpu_mem="24GiB", host_mem="256GiB")
+    small = plan(**{**T5_3B, "precision": "bf16"}, optimizer_states="bf16", gpu_mem="24GiB", host_mem="256GiB")
+    n = small.n_params
+    assert small.optimizer_states == "bf16" and small.to_dict()["optimizer_states"] == "bf16"
+    assert part(small, "host", "bf16 master weights") == part(small, "host", "gradients") == 2 * n
+    assert part(small, "host", "Adam m and v") == 4 * n
+    work, bits = Workspace(), RandomBits(0)
+    held = sum(t.numel() * t.element_size() for t in (*vars(work).values(), bits.table) if torch.is_tensor(t))
+    assert part(small, "host", "16-bit step's blocks") == host_bytes(STOCHASTIC) == held
+    extra = host_bytes(STOCHASTIC)
+    assert small.host_total == 8 * n + 4 * WIDEN_ELEMENTS + extra + 2 * GIB
+    assert exact.host_total - small.host_total == 6 * n - extra
+    assert part(small, "gpu", "pipelined-update landing") == 2 * 2 * UPLOAD_CHUNK
+    assert part(exact, "gpu", "pipelined-update landing") == 2 * 4 * UPLOAD_CHUNK
+    assert small.checkpoint_bytes == checkpoint.checkpoint_bytes(n, "bf16", "bf16") == 8 * n + 4 * 2**20
+    # asked for already: no 16-bit alternative to plan
+    assert small.host_total_16bit_states is None and exact.host_total_16bit_states == small.host_total
+
+
+def test_a_7b_that_the_exact_mode_cannot_fit_in_62_gib_is_told_of_bf16_states_and_the_ram_they_need():
+    """issue 31's bar: llama-7b at <= 8.5 B/param + 3 GiB (56.4 GiB) fits a 64 GB machine (--host-mem 62GiB)."""
+    exact = plan(**{**LLAMA_7B, "precision": "fp16"}, batch_size=1, gpu_mem="24GiB", host_mem="62GiB")
+    assert "host" in exact.short
+    tip = next(s for s in exact.suggestions if s.startswith("--optimizer-states bf16"))
+    small = plan(**LLAMA_7B, optimizer_states="bf16", batch_size=1, gpu_mem="24GiB", host_mem="62GiB")
+    assert tip.startswith("--optimizer-states bf16 --precision bf16 ")  # this run trains in fp16
+    assert f"needs {small.host_export / GIB:.1f} GiB of host RAM" in tip and "still" not in tip
+    assert exact.host_export_16bit_states == small.host_export
+    assert small.verdict == FITS_WITH_OFFLOAD and "host" not in small.short
+    assert small.host_export <= 8.5 * small.n_params + 3 * GIB
+
+
+def test_the_preflight_names_bf16_states_with_the_host_ram_they_need(monkeypatch):
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 4 * GIB)  # faked: this machine has what it has
+    monkeypatch.setattr(memory, "host_rss_bytes", lambda: 0)
+    with pytest.raises(MemoryBudgetError, match=r"--optimizer-states bf16 \(bf16 master weights and Adam moments"
+                                                r".*needs \d+\.\d GiB of host RAM, still more than available"):
+        preflight(resolve(TrainConfig(**{**T5_3B, "precision": "bf16"})).with_batch(8))
+    # under the option itself nothing is suggested twice
+    with pytest.raises(MemoryBudgetError) as err:
+        preflight(resolve(TrainConfig(**{**T5_3B, "precision": "bf16"}, optimizer_states="bf16")).with_batch(8))
+    assert "--optimizer-states" not in str(err.value)

@@ -1,0 +1,157 @@
+"""The 16-bit optimizer states' AdamW step (fitone.zero2.low_precision) against a float64 reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fitone.zero2.low_precision import NEAREST, STOCHASTIC, RandomBits, Workspace, adamw_16bit
+
+HYPER = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+
+
+def _states(n: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    master = torch.randn(n, generator=g).bfloat16()
+    exp_avg = (torch.randn(n, generator=g) * 1e-2).bfloat16()
+    exp_avg_sq = (torch.rand(n, generator=g) * 1e-4).bfloat16()
+    grad = torch.randn(n, generator=g) * 1e-2
+    return master, exp_avg, exp_avg_sq, grad
+
+
+def _spacing(x: torch.Tensor) -> torch.Tensor:
+    """bf16's spacing at each float64 value (8 significant bits)."""
+    return torch.pow(2.0, torch.floor(torch.log2(x.abs().clamp_min(1e-38))) - 7)
+
+
+def _bound(exact: torch.Tensor, operands: torch.Tensor) -> torch.Tensor:
+    """How far a bf16 result may lie from the float64 one: one bf16 spacing, plus a few fp32 roundings of
+    the operands (where m's two terms cancel, those exceed the result's own spacing)."""
+    return _spacing(exact) + 2.0**-21 * operands
+
+
+def _operands(master, exp_avg, exp_avg_sq, grad) -> tuple[torch.Tensor, ...]:
+    g = grad.double().abs()
+    return master.double().abs(), exp_avg.double().abs() + g, exp_avg_sq.double() + g * g
+
+
+def reference(master, exp_avg, exp_avg_sq, grad, *, step, lr, betas, eps, weight_decay, grad_scale=None):
+    """The same AdamW step in float64, not rounded: (p, m, v)."""
+    b1, b2 = betas
+    g = grad.double() / (grad_scale or 1.0)
+    p = master.double() * (1 - lr * weight_decay)
+    m = exp_avg.double() * b1 + g * (1 - b1)
+    v = exp_avg_sq.double() * b2 + g * g * (1 - b2)
+    denom = v.sqrt() / math.sqrt(1 - b2 ** step) + eps
+    return p - lr / (1 - b1 ** step) * m / denom, m, v
+
+
+@pytest.mark.parametrize("grad_scale", [None, 3.0])
+def test_round_to_nearest_is_the_float64_step_rounded_to_bf16(grad_scale):
+    master, exp_avg, exp_avg_sq, grad = _states(50_000)
+    want = reference(master, exp_avg, exp_avg_sq, grad, step=7, grad_scale=grad_scale, **HYPER)
+    operands = _operands(master, exp_avg, exp_avg_sq, grad)
+    before = grad.clone()
+    adamw_16bit(master, exp_avg, exp_avg_sq, grad, step=7, grad_scale=grad_scale, rounding=NEAREST, **HYPER)
+    assert torch.equal(grad, before)  # the gradient is read only
+    for got, exact, ops in zip((master, exp_avg, exp_avg_sq), want, operands):
+        same = got == exact.bfloat16()
+        # fp32 arithmetic moves a value across a bf16 rounding midpoint only where it lies within ~1e-6
+        # (relative) of one: there it is the other neighbour, one spacing off, and that is rare
+        assert same.float().mean() > 0.999
+        assert torch.all((got.double() - exact).abs() <= _bound(exact, ops))
+
+
+def test_stochastic_rounding_picks_a_neighbour_with_the_probability_of_the_remainder():
+    master, exp_avg, exp_avg_sq, grad = _states(50_000, seed=1)
+    want = reference(master, exp_avg, exp_avg_sq, grad, step=3, **HYPER)
+    operands = _operands(master, exp_avg, exp_avg_sq, grad)
+    bits = RandomBits(5)
+    drawn = bits.fill(torch.empty(50_000, dtype=torch.int32), bits.offset(3, 0, 0), 0)  # the weights' bits
+    u = drawn.double() / 2**16  # as a uniform number in [0, 1)
+    adamw_16bit(master, exp_avg, exp_avg_sq, grad, step=3, rounding=STOCHASTIC, bits=bits, **HYPER)
+    for got, exact, ops in zip((master, exp_avg, exp_avg_sq), want, operands):  # one of the two neighbours
+        assert torch.all((got.double() - exact).abs() <= _bound(exact, ops))
+    exact = want[0]
+    toward = exact.float().view(torch.int32).bitwise_and(~0xFFFF).view(torch.float32).double()  # truncated
+    remainder = (exact - toward).abs() / _spacing(toward)
+    up = master.double().abs() > toward.abs()
+    # rounded away from zero exactly when u + remainder >= 1, except where fp32 shifted the remainder (~1e-5)
+    agree = up == (u + remainder >= 1)
+    assert agree.float().mean() > 0.999
+    assert abs(up.double().mean() - remainder.mean()) < 0.01  # unbiased: up as often as the remainders say
+
+
+def test_stochastic_rounding_keeps_updates_far_below_bf16_spacing_that_nearest_loses():
+    """lr 1e-4 on weights of 1.0 (bf16 spacing 2**-8 below 1): each step moves a weight by ~lr, a fortieth of
+    the spacing. Round-to-nearest never moves; stochastic rounding drifts by 1,000 x lr in expectation."""
+    n, steps, lr = 4096, 1000, 1e-4
+    finals = {}
+    bits, work = RandomBits(0), Workspace(n)
+    for rounding in (NEAREST, STOCHASTIC):
+        master = torch.ones(n, dtype=torch.bfloat16)
+        exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
+        grad = torch.ones(n)
+        for step in range(1, steps + 1):
+            adamw_16bit(master, exp_avg, exp_avg_sq, grad, step=step, lr=lr, betas=(0.9, 0.999), eps=1e-8,
+                        weight_decay=0.0, rounding=rounding, bits=bits, work=work)
+        finals[rounding] = master.double()
+    assert torch.all(finals[NEAREST] == 1.0)
+    assert abs(finals[STOCHASTIC].mean().item() - (1 - steps * lr)) < 0.005
+    assert finals[STOCHASTIC].std().item() > 0  # each element's own bits: not all rounded alike
+
+
+def test_the_bits_do_not_depend_on_slicing_block_size_or_thread_count():
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n_threads, block, cut in ((1, None, None), (2, 1000, 12_345), (threads, 4096, 30_000)):
+            bits = RandomBits(9)
+            torch.set_num_threads(n_threads)
+            master, exp_avg, exp_avg_sq, grad = _states(40_000, seed=2)
+            pieces = [(0, 40_000)] if cut is None else [(0, cut), (cut, 40_000)]
+            for lo, hi in pieces:
+                adamw_16bit(master[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], grad[lo:hi], step=2, offset=lo,
+                            rounding=STOCHASTIC, bits=bits, group=1, work=Workspace(block), **HYPER)
+            results.append((master, exp_avg, exp_avg_sq))
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_each_step_group_and_tensor_draws_other_bits_and_the_table_wraps():
+    bits = RandomBits(0)
+    a, b, c, d = (bits.fill(torch.empty(10_000, dtype=torch.int32), bits.offset(*key), 0)
+                  for key in ((1, 0, 0), (2, 0, 0), (1, 1, 0), (1, 0, 1)))
+    for other in (b, c, d):
+        assert (a == other).float().mean() < 0.01
+    assert abs(a.double().mean() / 2**16 - 0.5) < 0.02 and int(a.min()) >= 0 and int(a.max()) < 2**16
+    assert not torch.equal(RandomBits(1).table, bits.table)
+    # element index i reads entry (i + offset) mod TABLE_SIZE, across the table's end too
+    from fitone.zero2.low_precision import TABLE_SIZE
+
+    across = bits.fill(torch.empty(100, dtype=torch.int32), TABLE_SIZE - 30, 0)
+    assert torch.equal(across, torch.cat([bits.table[-30:], bits.table[:70]]))
+
+
+def test_an_infinite_or_nan_value_stays_so_under_stochastic_rounding():
+    master = torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16)
+    exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
+    grad = torch.tensor([math.inf, math.nan, 1.0])
+    adamw_16bit(master, exp_avg, exp_avg_sq, grad, step=1, rounding=STOCHASTIC, bits=RandomBits(0), **HYPER)
+    assert exp_avg[0].isinf() and exp_avg_sq[0].isinf() and master[1].isnan() and master[2].isfinite()
+
+
+def test_other_dtypes_and_roundings_are_refused():
+    master = torch.zeros(4)
+    with pytest.raises(ValueError, match="bf16"):
+        adamw_16bit(master, master.bfloat16(), master.bfloat16(), master, step=1, **HYPER)
+    m16 = master.bfloat16()
+    with pytest.raises(ValueError, match="rounding"):
+        adamw_16bit(m16, m16.clone(), m16.clone(), master, step=1, rounding="up", **HYPER)
+    with pytest.raises(ValueError, match="RandomBits"):
+        adamw_16bit(m16, m16.clone(), m16.clone(), master, step=1, rounding=STOCHASTIC, **HYPER)

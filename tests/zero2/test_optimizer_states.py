@@ -1,0 +1,164 @@
+"""--optimizer-states bf16 / bf16-nearest on real DeepSpeed ZeRO-2 CPU-offload engines (bf16 training).
+
+DeepSpeed's bf16 master weights and optimizer states on the lean layout, stepped by the pipelined update's
+16-bit kernel (fitone.zero2.low_precision, whose arithmetic tests/zero2/test_low_precision.py checks).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import fitone
+import user_models
+from conftest import cpu_config, fixed_batch, run_main, tiny_engine, weights
+from fitone.errors import ConfigError, RunDirError
+
+STEPS = 12
+
+
+def _train(engine, steps: int = STEPS, accum: int = 1) -> list[float]:
+    losses = []
+    for step in range(steps):
+        for micro in range(accum):
+            loss = engine.forward(fixed_batch((step * accum + micro) % 4))  # four batches, learnable
+            engine.backward(loss)
+            engine.step()
+        losses.append(loss.item())
+    engine.sync_weights()
+    return losses
+
+
+@pytest.mark.parametrize("states", ["bf16", "bf16-nearest"])
+def test_bf16_states_train_with_accumulation_on_8_bytes_per_parameter(states):
+    engine = tiny_engine("bf16", grad_accum=2, states=states)
+    try:
+        n = sum(p.numel() for p in engine.module.parameters())
+        losses = _train(engine, accum=2)
+        assert all(math.isfinite(x) for x in losses) and losses[-1] < 0.8 * losses[0]
+        # bf16 master, bf16 gradients (DeepSpeed's own buffer), two bf16 moments: 8 B/param, and the one
+        # fp32 slice Adam's gradient is widened into
+        held = engine.host.host_bytes()
+        assert {k: v for k, v in held.items() if k != "fp32 upcast"} == {
+            "bf16 master": 2 * n, "gradients": 2 * n, "Adam moments": 4 * n}
+        master = engine.optimizer.single_partition_of_fp32_groups[0]
+        state = engine.optimizer.optimizer.state[master]
+        assert (master.dtype, state["exp_avg"].dtype, state["exp_avg_sq"].dtype) == (torch.bfloat16,) * 3
+        # the model's weights are the master's, as they are (bf16 both)
+        assert torch.equal(engine.optimizer.bit16_groups_flat[0][:master.numel()], master.data)
+    finally:
+        engine.close()
+
+
+def test_chunked_bf16_states_are_the_same_bits_as_one_slice():
+    """The stochastic bits are keyed by element index, not by where a chunk or slice starts: chunks of 1,024
+    widened 256 at a time give the one-slice update, bit for bit."""
+    runs = []
+    for chunk in (None, 1024):
+        engine = tiny_engine("bf16", states="bf16", chunk=chunk, rounding_seed=3)
+        try:
+            _train(engine, steps=4)
+            runs.append(weights(engine))
+        finally:
+            engine.close()
+    assert all(torch.equal(runs[0][k], runs[1][k]) for k in runs[0])
+
+
+def test_stochastic_rounding_depends_on_its_seed_and_differs_from_nearest():
+    runs = {}
+    for states, seed in (("bf16", 0), ("bf16", 0), ("bf16", 1), ("bf16-nearest", 0)):
+        engine = tiny_engine("bf16", states=states, rounding_seed=seed)
+        try:
+            _train(engine, steps=3)
+            runs.setdefault((states, seed), []).append(weights(engine))
+        finally:
+            engine.close()
+    first, again = runs[("bf16", 0)]
+    assert all(torch.equal(first[k], again[k]) for k in first)  # reproducible
+    for other in (runs[("bf16", 1)][0], runs[("bf16-nearest", 0)][0]):
+        assert any(not torch.equal(first[k], other[k]) for k in first)
+
+
+def test_a_bf16_states_run_trains_saves_resumes_bit_exactly_and_exports(tmp_path):
+    from transformers import AutoModelForSeq2SeqLM
+
+    common = dict(precision="bf16", optimizer_states="bf16", max_steps=10, lr=1e-3, lr_schedule="constant",
+                  warmup_steps=0, batch_size=8, grad_accum=2)
+    straight = fitone.train(cpu_config(**common, out=str(tmp_path / "straight"), save_every=5))
+    assert straight.update == "pipelined" and straight.losses[-1] < straight.losses[0]
+    out = tmp_path / "run"
+    fitone.train(cpu_config(**{**common, "max_steps": 5}, out=str(out), save_every=5))
+    resumed = fitone.train(cpu_config(**common, out=str(out), resume=True, save_every=5))
+    assert resumed.resumed_from == 5 and resumed.losses == straight.losses[5:]  # bit for bit
+    a = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "straight" / "final").state_dict()
+    b = AutoModelForSeq2SeqLM.from_pretrained(out / "final").state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_checkpoint_of_the_other_mode_is_refused_in_one_line(tmp_path):
+    common = dict(precision="bf16", max_steps=2, batch_size=8, save_every=2)
+    exact, small = tmp_path / "exact", tmp_path / "small"
+    fitone.train(cpu_config(**common, out=str(exact)))
+    fitone.train(cpu_config(**common, optimizer_states="bf16", out=str(small)))
+    before = sorted((p.relative_to(exact), p.stat().st_mtime_ns) for p in exact.rglob("*"))
+    with pytest.raises(RunDirError, match="holds fp32 optimizer states and this run keeps bf16 ones: resume with "
+                                          "--optimizer-states fp32"):
+        fitone.train(cpu_config(**{**common, "max_steps": 4}, optimizer_states="bf16", out=str(exact), resume=True))
+    assert sorted((p.relative_to(exact), p.stat().st_mtime_ns) for p in exact.rglob("*")) == before  # untouched
+    code, _out, err = run_main(["train", "--model", "t5-tiny", "--from-scratch", "--data", "sample", "--src-len", "8",
+                                "--tgt-len", "48", "--batch-size", "8", "--precision", "bf16", "--device", "cpu",
+                                "--eval-examples", "0", "--no-progress", "--max-steps", "4", "--save-every", "2",
+                                "--out", str(small), "--resume"])
+    assert code == 2 and "holds bf16 optimizer states and this run keeps fp32 ones" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("precision, why", [("fp16", "needs --precision bf16 \\(fp16 training given\\)"),
+                                            ("fp32", "needs --precision bf16 \\(fp32 training given\\)")])
+def test_other_precisions_are_refused_in_one_line(precision, why):
+    from fitone.run import resolve_planned
+
+    with pytest.raises(ConfigError, match=why):
+        resolve_planned(cpu_config(precision=precision, optimizer_states="bf16", device="auto"), 1)
+
+
+@pytest.mark.parametrize("options, why", [
+    (dict(delayed_update=True), "runs in the pipelined update: drop --delayed-update"),
+    (dict(pipelined_update=False), "runs in the pipelined update: drop --no-pipelined-update"),
+    (dict(offload="none"), "needs --offload cpu"),
+])
+def test_what_the_16bit_step_does_not_run_on_is_refused(options, why):
+    from fitone.run import resolve_planned
+
+    with pytest.raises(ConfigError, match=why):
+        resolve_planned(cpu_config(precision="bf16", optimizer_states="bf16", device="auto", **options), 1)
+
+
+def test_deepspeeds_bf16_master_weights_without_the_option_are_refused(tmp_path):
+    import json
+
+    from fitone.run import resolve_planned
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"bf16": {"enabled": True, "bf16_master_weights_and_grads": True}}))
+    with pytest.raises(ConfigError, match="give --optimizer-states bf16"):
+        resolve_planned(cpu_config(precision="bf16", ds_config=str(path), device="auto"), 1)
+
+
+@pytest.mark.parametrize("arch, bos", [("llama3", True), ("gpt_neox", False), ("qwen3", True), ("bart", False)])
+def test_bf16_states_train_and_export_users_models(arch, bos, tmp_path, text_jsonl):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    model = user_models.model_dir(arch, tmp_path / arch, bos=bos)
+    seq2seq = arch in user_models.SEQ2SEQ
+    data = dict(data="sample") if seq2seq else dict(data=str(text_jsonl), seq_len=32)
+    result = fitone.train(cpu_config(model=str(model), from_scratch=False, precision="bf16", optimizer_states="bf16",
+                                     max_steps=8, batch_size=4, grad_accum=2, lr=3e-3, out=str(tmp_path / "run"),
+                                     **data))
+    assert result.update == "pipelined" and result.losses[-1] < result.losses[0]
+    exported = tmp_path / "run" / "final"
+    loaded = (AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM).from_pretrained(exported)
+    assert AutoConfig.from_pretrained(exported).model_type == AutoConfig.from_pretrained(model).model_type
+    assert all(torch.isfinite(p).all() for p in loaded.parameters())
