@@ -66,6 +66,8 @@ def probe_key(run: Run) -> dict[str, Any]:
     }
     if run.mode.on_one_gpu().name == step_mode.PIPELINED:
         key["pipelined_update"] = True  # its landing chunks take GPU memory (the delayed update's extra is on the host)
+    if run.mode.states != "fp32":
+        key["optimizer_states"] = run.mode.states  # 16-bit masters land in 16-bit chunks: less GPU than the exact mode
     return key
 
 

@@ -512,6 +512,7 @@ _REPLACED = {
     "pack": {"pack": True}, "data_dir_split": {"data_split": "validation"},
     "hub_config": {"data_config": "subset"},  # a hub dataset's configuration (subset)
     "data_fields": {"source_field": "text"}, "prompt_field": {"prompt_field": "prompt"},
+    "optimizer_states": {"optimizer_states": "bf16"},  # its landing chunks in 16 bits (from a bf16 base)
 }
 
 
@@ -523,6 +524,8 @@ def _key_base(change: str, tmp_path, t5_dir: Path, data: Path) -> tuple[Any, Any
         base, config = probe_config(data=str(data), seq_len=16), gpt
     if change in ("expandable_segments", "allocator_env", "pipelined_on_gpu"):
         device = "cuda"
+    if change == "optimizer_states":  # 16-bit states train in bf16 only
+        base = base.replace(precision="bf16")
     if change in ("tokenizer_files", "model_dir"):
         model_dir = tmp_path / "model"
         shutil.copytree(t5_dir, model_dir)
@@ -595,7 +598,7 @@ def _key_change(change: str, tmp_path, monkeypatch, t5_dir: Path) -> tuple[dict,
     "pipelined_update", "pipelined_on_gpu", "max_gpu_memory", "expandable_segments", "allocator_env", "pack",
     "data_file", "data_edited", "data_glob", "data_dir_split", "hub_config", "data_fields", "prompt_field",
     "chat_template", "tokenizer_files", "model_dir", "ds_config", "device", "gpu", "torch", "transformers",
-    "deepspeed", "fitone"])
+    "deepspeed", "fitone", "optimizer_states"])
 def test_the_cache_key_changes_with_everything_that_decides_a_trials_memory(change, tmp_path, monkeypatch,
                                                                             tiny_t5_dir):
     """A saved probe reused under another setting would hand --batch-size auto a size measured under, say, a
