@@ -522,9 +522,9 @@ def _key_base(change: str, tmp_path, t5_dir: Path, data: Path) -> tuple[Any, Any
     base, config, device = probe_config(data=str(data)), t5, "cpu"
     if change in ("seq_len", "pack"):  # a causal LM's
         base, config = probe_config(data=str(data), seq_len=16), gpt
-    if change in ("expandable_segments", "allocator_env", "pipelined_on_gpu"):
+    if change in ("expandable_segments", "allocator_env", "pipelined_on_gpu", "optimizer_states"):
         device = "cuda"
-    if change == "optimizer_states":  # 16-bit states train in bf16 only
+    if change == "optimizer_states":  # 16-bit states train in bf16 only; on a GPU both run the pipelined update
         base = base.replace(precision="bf16")
     if change in ("tokenizer_files", "model_dir"):
         model_dir = tmp_path / "model"
