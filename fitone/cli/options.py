@@ -67,7 +67,7 @@ FLAGS: dict[str, tuple[Any, str]] = {
     "optimizer_states": (OPTIMIZER_STATES, "the optimizer's host state: fp32 (exact, 14 B/param), or bf16 master "
                                            "weights and moments (8 B/param; needs --precision bf16, runs the "
                                            "pipelined update) rounded stochastically (bf16) or to the nearest "
-                                           "(bf16-nearest, which loses updates under ~0.2-0.4% of a weight)"),
+                                           "(bf16-nearest, which loses updates under ~0.2-0.4 percent of a weight)"),
     "ds_config": (str, "a DeepSpeed JSON file merged over the generated config"),
     "max_gpu_memory": (str, "cap the CUDA allocator, e.g. 23GiB, to stand for a smaller card"),
     "expandable_segments": (bool, "CUDA allocator with expandable segments (less fragmentation; unless "
