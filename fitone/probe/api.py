@@ -96,8 +96,8 @@ def probe_on(run: Run, runtime: Runtime, *, max_batch: int | None = None, max_tr
                           f"{runtime.world_size}: run `fitone probe-batch` without a launcher, then train "
                           "with --batch-size N")
     key = probe_key(run)
-    search = {"max_batch": max_batch, "max_trials": max_trials, "margin": margin, "verify_steps": verify_steps,
-              **choice_key(run)}
+    searched = {"max_batch": max_batch, "max_trials": max_trials, "margin": margin, "verify_steps": verify_steps}
+    search = {**searched, **choice_key(run)}  # what a saved result must match: the search and how it chose
     cached = (read_cached(key, search) or read_cached(capped_key(key), search)) if use_cache else None
     if cached is not None:
         capped = f", capped at max_batch={max_batch}" if cached.meta.get("capped") else ""
@@ -106,7 +106,6 @@ def probe_on(run: Run, runtime: Runtime, *, max_batch: int | None = None, max_tr
         return _choose(cached, run, None, steps=0, say=say) if run.settings.prefer_batch == "largest" else cached
     session = ProbeSession(run, say=say, on_model=on_model)
     try:
-        searched = {k: search[k] for k in ("max_batch", "max_trials", "margin", "verify_steps")}
         result = search_batch_size(session.try_size, cap_bytes=session.cap_bytes, log=say, **searched)
         _choose(result, run, session.try_size, steps=verify_steps or 1, say=say)
         result.meta.update(session.meta())

@@ -362,6 +362,7 @@ class PipelinedUpdate(OverlappedStep):
                 self._side.wait_event(backward_done)
             start = time.perf_counter()
             adam_s = 0.0
+            # Adam runs on each widened slice while it is in cache; fp32 gradients are read a chunk at a time
             widen = self.host.widen_elements if grads is None and self.host.widens else None
             k = 0  # chunks uploaded: alternates the two landing buffers
             for i, master in enumerate(opt.single_partition_of_fp32_groups):
@@ -369,8 +370,9 @@ class PipelinedUpdate(OverlappedStep):
                 lo = 0
                 for c, hi in enumerate(self.chunks[i]):
                     t0 = time.perf_counter()
-                    for a in range(lo, hi, widen or hi - lo):  # Adam on each slice while its widening is in cache
-                        b = min(a + widen, hi) if widen else hi
+                    piece = widen or hi - lo
+                    for a in range(lo, hi, piece):
+                        b = min(a + piece, hi)
                         kernel(i, self._gradient(grads, i, a, b), scale, hyper[i], steps[i], a, b)
                     adam_s += time.perf_counter() - t0
                     if self._side is not None:  # the side stream runs chunks in order: a landing buffer is
