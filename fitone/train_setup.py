@@ -72,7 +72,9 @@ def check_disk(run: Run, resume_from: Path | None) -> None:
 
     n_params = model_shape(cfg, run.model_config)[0].n_params  # the pre-flight's (cached) meta build
     first = int(checkpoint.read_state(resume_from)["step"]) if resume_from else 0
-    saves = None if cfg.max_steps is None else (cfg.max_steps - first) // cfg.save_every + 1  # + the end's
+    # the periodic saves after `first`, and the end's unless the last step was one of them (Trainer._save)
+    saves = None if cfg.max_steps is None else (cfg.max_steps // cfg.save_every - first // cfg.save_every
+                                                + (cfg.max_steps % cfg.save_every > 0))
     size = checkpoint.checkpoint_bytes(n_params, run.precision, run.mode.states)
     check_checkpoint_room(Path(cfg.out), checkpoint_bytes=size,
                           keep=cfg.keep_checkpoints, save_every=cfg.save_every, overwrite=cfg.overwrite,

@@ -429,7 +429,7 @@ def test_save_every_whose_checkpoints_cannot_fit_the_free_disk_is_refused_before
     size = _tiny_checkpoint_bytes()
     out = tmp_path / "run"
     _fake_free_disk(monkeypatch, 3 * size - 1)
-    rc, _, err = run_main(["train", *CLI_RUN, "--max-steps", "2", "--save-every", "1", "--keep-checkpoints", "2",
+    rc, _, err = run_main(["train", *CLI_RUN, "--max-steps", "3", "--save-every", "1", "--keep-checkpoints", "2",
                            "--out", str(out)])
     assert rc == 2
     assert err.strip().splitlines() == [
@@ -439,10 +439,10 @@ def test_save_every_whose_checkpoints_cannot_fit_the_free_disk_is_refused_before
         "--keep-checkpoints, or give an --out on a larger disk (--no-preflight skips this check)"]
     assert not out.exists()
     _fake_free_disk(monkeypatch, 3 * size)
-    rc, _, err = run_main(["train", *CLI_RUN, "--max-steps", "2", "--save-every", "1", "--keep-checkpoints", "2",
+    rc, _, err = run_main(["train", *CLI_RUN, "--max-steps", "3", "--save-every", "1", "--keep-checkpoints", "2",
                            "--out", str(out)])
     assert rc == 0, err
-    assert [p.name for p in checkpoint.complete_checkpoints(out)] == ["step-00000001", "step-00000002"]
+    assert [p.name for p in checkpoint.complete_checkpoints(out)] == ["step-00000002", "step-00000003"]
 
 
 def test_a_resumed_runs_own_checkpoints_count_toward_the_room_it_needs(tmp_path, monkeypatch):
@@ -462,18 +462,23 @@ def test_a_resumed_runs_own_checkpoints_count_toward_the_room_it_needs(tmp_path,
 
 
 def test_a_run_that_writes_fewer_checkpoints_than_it_keeps_needs_room_for_those(tmp_path, monkeypatch):
-    """--max-steps 2 --save-every 2 writes at most two (step 2's and the end's), whatever --keep-checkpoints
-    allows: the room for two is enough (a 7B benchmark of 21 steps saving at 20 needed two 94 GB checkpoints
-    on a 128 GiB disk and failed at the second: bench/results/2026-11-30-issue19/)."""
+    """--max-steps 3 --save-every 2 writes two (step 2's and the end's), whatever --keep-checkpoints allows: the
+    room for two is enough (a 7B benchmark of 21 steps saving at 20 needed two 94 GB checkpoints on a 128 GiB
+    disk and failed at the second: bench/results/2026-11-30-issue19/). --max-steps 2 --save-every 2 writes one:
+    the end's save is step 2's (a t5-3b run saving once was refused for want of room for two:
+    bench/results/2026-12-02b-gpu/)."""
     size = _tiny_checkpoint_bytes()
-    _fake_free_disk(monkeypatch, 2 * size)
-    result = fitone.train(cpu_config(batch_size=4, max_steps=2, save_every=2, keep_checkpoints=5,
-                                     out=str(tmp_path / "run")))
-    assert result.steps == 2
-    _fake_free_disk(monkeypatch, 2 * size - 1)
-    with pytest.raises(RunDirError, match=r"the disk holds 2 at once"):
-        fitone.train(cpu_config(batch_size=4, max_steps=2, save_every=2, keep_checkpoints=5,
-                                out=str(tmp_path / "other")))
+    for steps, written in ((3, 2), (2, 1)):
+        _fake_free_disk(monkeypatch, written * size - 1)
+        with pytest.raises(RunDirError, match=rf"the disk holds {written} at once"):
+            fitone.train(cpu_config(batch_size=4, max_steps=steps, save_every=2, keep_checkpoints=5,
+                                    out=str(tmp_path / f"short-{steps}")))
+        _fake_free_disk(monkeypatch, written * size)
+        out = tmp_path / f"run-{steps}"
+        result = fitone.train(cpu_config(batch_size=4, max_steps=steps, save_every=2, keep_checkpoints=5,
+                                         out=str(out)))
+        assert result.steps == steps
+        assert len(checkpoint.complete_checkpoints(out)) == written
 
 
 def test_the_plan_says_how_big_one_checkpoint_is():
