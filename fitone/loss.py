@@ -41,18 +41,31 @@ FUSED_LOSS_TYPES: dict[str, str | None] = {
 }
 
 
+# On a GPU a vocabulary below this keeps the model's own loss: at llama-7b's 32,000 tokens its logits are small
+# and it was faster than Liger's fused kernel (bench/results/2026-12-02b-gpu/); at 128k-152k the logits are
+# most of a sample's activations and the fused loss is what lets the micro-batch grow.
+FUSED_MIN_VOCAB_GPU = 65_536
+
+
 def fused_loss_backend(config: Any, *, device: str, precision: str) -> str | None:
     """The fused loss a causal LM with this config trains with ('liger' or 'chunked'), or None where it keeps
-    its own forward (a model type not in FUSED_LOSS_TYPES, or one that adds its router's auxiliary loss)."""
+    its own forward (a model type not in FUSED_LOSS_TYPES, one that adds its router's auxiliary loss, or a
+    small vocabulary on a GPU)."""
     return backend_for(getattr(config, "model_type", ""), device=device, precision=precision,
                        encoder_decoder=bool(getattr(config, "is_encoder_decoder", False)),
-                       router_loss=bool(getattr(config, "output_router_logits", False)))
+                       router_loss=bool(getattr(config, "output_router_logits", False)),
+                       vocab_size=getattr(config, "vocab_size", None))
+
+
+def small_vocab_on_gpu(vocab_size: int | None, device: str) -> bool:
+    """Whether the model's own loss is kept because the vocabulary is small (see FUSED_MIN_VOCAB_GPU)."""
+    return device == "cuda" and vocab_size is not None and vocab_size < FUSED_MIN_VOCAB_GPU
 
 
 def backend_for(model_type: str, *, device: str, precision: str, encoder_decoder: bool = False,
-                router_loss: bool = False) -> str | None:
+                router_loss: bool = False, vocab_size: int | None = None) -> str | None:
     """fused_loss_backend from the few facts it reads (the plan has a model's shape, not always its config)."""
-    if encoder_decoder or model_type not in FUSED_LOSS_TYPES or router_loss:
+    if encoder_decoder or model_type not in FUSED_LOSS_TYPES or router_loss or small_vocab_on_gpu(vocab_size, device):
         return None
     if device == "cuda" and precision in ("bf16", "fp32") and liger_available():
         return "liger"

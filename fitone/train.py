@@ -170,6 +170,11 @@ class Trainer:
         if backend is not None:
             self._say(f"loss: the LM head and cross-entropy fused ({fused_loss.DESCRIPTIONS[backend]}), so no "
                       f"[tokens, vocab] logits are kept; --no-fused-loss for the model's own")
+        elif cfg.fused_loss and fused_loss.small_vocab_on_gpu(getattr(loaded.model.config, "vocab_size", None),
+                                                              run.device):
+            self._say(f"loss: the model's own: a {loaded.model.config.vocab_size:,}-token vocabulary's logits are "
+                      f"small, and on a GPU the fused loss is for vocabularies of "
+                      f"{fused_loss.FUSED_MIN_VOCAB_GPU:,} tokens or more")
         return loaded
 
     def _total_steps(self) -> int:

@@ -173,7 +173,8 @@ def _make_plan(run: Run, *, micro_batch: int | None, accumulation: int, gpu_limi
                 delayed_update=cfg.delayed_update,
                 fused_loss=backend_for(shape.model_type, device=run.device, precision=run.precision,
                                        encoder_decoder=shape.encoder_decoder,
-                                       router_loss=bool(getattr(config, "output_router_logits", False)))
+                                       router_loss=bool(getattr(config, "output_router_logits", False)),
+                                       vocab_size=shape.vocab)
                 if cfg.fused_loss else None,
                 pipelined_update=run.mode.name == step_mode.PIPELINED, optimizer_states=run.mode.states)
 
