@@ -153,8 +153,8 @@ def probe_table(r: ProbeResult) -> str:
     rows = [f"{'batch':>9}  {'result':<16} {'peak GPU GiB':>12} {'step s':>8} {'samples/s':>10}"]
     for t in r.trials:
         result = "fits" if t.fits else "OOM" + (f" ({t.oom_phase})" if t.oom_phase else "")
-        if t.purpose in ("verify", "throughput"):
-            result += " " + ("verify" if t.purpose == "verify" else "timed")
+        if t.purpose in ("verify", "throughput", "check"):
+            result += " " + {"verify": "verify", "throughput": "timed", "check": "check"}[t.purpose]
         peak = gib(t.peak_gpu_bytes) if t.peak_gpu_bytes is not None else None
         rows.append(f"{t.label:>9}  {result:<16} {number(peak, 2):>12} {number(t.step_s, 2):>8} "
                     f"{number(t.samples_per_s, 1):>10}")
