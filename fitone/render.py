@@ -94,8 +94,10 @@ def plan_text(p: Plan) -> str:
            f"{p.activation_per_sample_no_ckpt / 2**20:.1f} MiB without")
     lines.append(act)
     if p.max_micro_batch is not None:
-        lines.append(f"largest micro-batch that fits: {p.max_micro_batch} "
-                     f"(without offload: {p.max_micro_batch_without_offload})")
+        one = p.max_micro_batch_one_step  # accumulating holds more: the two differ where the run accumulates
+        lines.append(f"largest micro-batch that fits: {p.max_micro_batch} ("
+                     + (f"{one} at one micro-batch a step; " if one not in (None, p.max_micro_batch) else "")
+                     + f"without offload: {p.max_micro_batch_without_offload})")
     lines.append(f"without offload: GPU {gib(p.gpu_total_without_offload, 3):.2f} GiB, "
                  f"host {gib(p.host_total_without_offload, 3):.2f} GiB")
     lines.append(f"one checkpoint (--save-every): {gib(p.checkpoint_bytes, 3):.2f} GiB of disk; --keep-checkpoints K "
