@@ -161,7 +161,7 @@ def _checked(result: ProbeResult, pairs: list[tuple[int, int]], *, time_step: Ti
             log(f"{trial.outcome()} over {steps} steps of {micro_steps} micro-batches: {b} x {a} checked")
             return b, a
         if len(checked) >= MAX_CHECK_TRIES:
-            log(f"{trial.outcome()}")
+            log(trial.outcome())
             raise MemoryBudgetError(
                 f"{', '.join(checked)} ran out of memory accumulating although {result.chosen} fitted at one "
                 f"micro-batch a step: use a larger --margin (e.g. 0.2) or a smaller --global-batch")
