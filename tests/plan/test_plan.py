@@ -550,6 +550,30 @@ def test_the_plan_counts_the_parameters_from_pretrained_loads(plan_user_dirs, tm
         assert plan(model=str(hub_like), **CARD).n_params == loaded.n_params
 
 
+def test_a_gradient_over_the_bucket_is_held_when_accumulating_and_a_tied_one_at_any_accumulation(
+        plan_user_dirs, tmp_path):
+    """With reduce_bucket_size below the embedding (a --ds-config), an untied model's plan holds one 16-bit
+    copy of its largest parameter more when accumulating (components._held_gradient); a tied embedding's
+    gradient sums over the whole backward, so its plan holds it at one micro-batch a step too."""
+    from fitone.plan.shape import model_shape
+
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"reduce_bucket_size": 1000}}))
+    for arch, tied in (("llama3", False), ("llama3-tied", True)):
+        path = str(plan_user_dirs[arch])
+        cfg = TrainConfig(model=path, precision="bf16", ds_config=str(ds))
+        shape, _ = model_shape(cfg, load_config(path, from_scratch=False))
+        assert shape.tied_embeddings is tied and shape.largest_param > 1000
+        one, two = (plan(model=path, precision="bf16", ds_config=str(ds), batch_size=1, grad_accum=a, **CARD)
+                    for a in (1, 2))
+        held = part(two, "gpu", "offload staging") - part(one, "gpu", "offload staging")
+        assert held == (0 if tied else 2 * shape.largest_param), arch
+        # at one micro-batch a step: the norm's and the sum's chunks (the whole tiny parameter), and a tied
+        # embedding's held gradient beside them
+        chunks = 8 * shape.largest_param + 2 * shape.largest_param
+        assert (part(one, "gpu", "offload staging") - chunks >= 2 * shape.largest_param) is tied, arch
+
+
 @pytest.mark.parametrize("name", ["t5-tiny", "gpt2-tiny", "t5-small"])
 def test_the_plan_counts_the_parameters_of_shipped_configs_and_their_saved_dirs(tmp_path, name):
     built = load_model(name, from_scratch=True)
