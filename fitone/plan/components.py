@@ -297,7 +297,7 @@ def _with_overhead(st: _Setup, comps: list[Component]) -> list[Component]:
     if st.on_gpu:
         comps.append(Component("CUDA context", "overhead", CUDA_CONTEXT, "outside the allocator"))
     comps.append(Component("fragmentation margin", "overhead", int(FRAGMENTATION * allocated),
-                           f"{FRAGMENTATION:.0%} of allocated"))
+                           f"{FRAGMENTATION * 100:g}% of allocated"))
     return comps
 
 
