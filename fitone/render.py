@@ -94,8 +94,10 @@ def plan_text(p: Plan) -> str:
            f"{p.activation_per_sample_no_ckpt / 2**20:.1f} MiB without")
     lines.append(act)
     if p.max_micro_batch is not None:
-        lines.append(f"largest micro-batch that fits: {p.max_micro_batch} "
-                     f"(without offload: {p.max_micro_batch_without_offload})")
+        one = p.max_micro_batch_one_step  # accumulating holds more: the two differ where the run accumulates
+        lines.append(f"largest micro-batch that fits: {p.max_micro_batch} ("
+                     + (f"{one} at one micro-batch a step; " if one not in (None, p.max_micro_batch) else "")
+                     + f"without offload: {p.max_micro_batch_without_offload})")
     lines.append(f"without offload: GPU {gib(p.gpu_total_without_offload, 3):.2f} GiB, "
                  f"host {gib(p.host_total_without_offload, 3):.2f} GiB")
     lines.append(f"one checkpoint (--save-every): {gib(p.checkpoint_bytes, 3):.2f} GiB of disk; --keep-checkpoints K "
@@ -153,8 +155,8 @@ def probe_table(r: ProbeResult) -> str:
     rows = [f"{'batch':>9}  {'result':<16} {'peak GPU GiB':>12} {'step s':>8} {'samples/s':>10}"]
     for t in r.trials:
         result = "fits" if t.fits else "OOM" + (f" ({t.oom_phase})" if t.oom_phase else "")
-        if t.purpose in ("verify", "throughput"):
-            result += " " + ("verify" if t.purpose == "verify" else "timed")
+        if t.purpose in ("verify", "throughput", "check"):
+            result += " " + {"verify": "verify", "throughput": "timed", "check": "check"}[t.purpose]
         peak = gib(t.peak_gpu_bytes) if t.peak_gpu_bytes is not None else None
         rows.append(f"{t.label:>9}  {result:<16} {number(peak, 2):>12} {number(t.step_s, 2):>8} "
                     f"{number(t.samples_per_s, 1):>10}")

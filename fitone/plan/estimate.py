@@ -183,13 +183,29 @@ def _make_plan(run: Run, *, micro_batch: int | None, accumulation: int, gpu_limi
         return max(sum(c.bytes for c in _gpu_components(setup, off, b)),
                    sum(c.bytes for c in _gpu_init_components(setup, off)))
 
-    def max_batch(off: bool, setup: _Setup = st) -> int | None:
+    def max_batch(off: bool, setup: _Setup = st, accumulating: bool | None = None) -> int | None:
+        """The largest micro-batch that fits: at the run's accumulation, or accumulating or not as asked."""
         if gpu_limit is None:
             return None
-        return _largest_batch(lambda b: gpu_peak(b, off, setup) <= gpu_limit, 64)
 
+        def largest(a: int) -> int:
+            return _largest_batch(lambda b: gpu_peak(b, off, dataclasses.replace(setup, accumulation=a)) <= gpu_limit,
+                                  64)
+
+        if accumulating is not None:
+            return largest(2 if accumulating else 1)
+        if per_step is None:  # the accumulation is fixed (--grad-accum, or 1)
+            return largest(setup.accumulation)
+        # with --global-batch G the accumulation follows the micro-batch: G / b > 1 below G, 1 at G
+        return per_step if largest(1) >= per_step else min(largest(2), per_step)
+
+    per_step = None if cfg.global_batch is None else max(1, cfg.global_batch // gpus)
     best = max_batch(offload)
-    micro_batch = max(1, best or 1) if micro_batch is None else micro_batch
+    if micro_batch is None:  # 'auto': the largest that fits; with a global batch, the largest that divides it
+        micro_batch = max(1, best or 1)
+        if per_step is not None:
+            micro_batch = next(d for d in range(min(micro_batch, per_step), 0, -1) if per_step % d == 0)
+            st = dataclasses.replace(st, accumulation=per_step // micro_batch)
     host = _host_components(st, offload)
     host_total = gpus * sum(c.bytes for c in host)
     host_no = gpus * sum(c.bytes for c in _host_components(st, False))
@@ -208,6 +224,7 @@ def _make_plan(run: Run, *, micro_batch: int | None, accumulation: int, gpu_limi
         deepspeed_estimate=_deepspeed_estimate(shape.n_params, gpus, offload),
         gpu_init=_gpu_init_components(st, offload), optimizer_states=run.mode.states,
         host_total_16bit_states=_host_total_16bit_states(st, offload),
+        max_micro_batch_one_step=max_batch(offload, accumulating=False),
     )
     # an 'auto' micro-batch is probed later: it fits if a micro-batch of 1 does
     _judge(p, st, gpu_peak, max_batch, judge_at=1 if auto else micro_batch)

@@ -32,6 +32,7 @@ class ModelShape:
     gated: bool
     dropout: bool
     pack_refusal: str | None = None  # why --pack cannot train this causal LM exactly (fitone.packing); None: it can
+    tied_embeddings: bool = False  # the LM head is the input embedding: its gradient sums over the whole backward
 
 
 def _first(config: Any, names: tuple[str, ...], default: Any = None) -> Any:
@@ -71,6 +72,8 @@ def _model_shape(name: str, from_scratch: bool, config: Any) -> tuple[ModelShape
         # as from_pretrained will load it: tied weights the checkpoint holds apart count twice
         model = build_model(config, meta=True, checkpoint=None if from_scratch else name)
     numels = tuple(p.numel() for p in model.parameters())  # parameters() yields tied weights once
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    tied = head is not None and embedding is not None and head.weight is embedding.weight
 
     mtype = getattr(config, "model_type", "") or ""
     enc_dec = bool(getattr(config, "is_encoder_decoder", False))
@@ -102,6 +105,7 @@ def _model_shape(name: str, from_scratch: bool, config: Any) -> tuple[ModelShape
         gated=bool(getattr(config, "is_gated_act", False)) or family == "llama",
         dropout=dropout,
         pack_refusal=None if enc_dec else pack_refusal(config),
+        tied_embeddings=tied,
     )
     if family == "generic":
         notes.append(f"no activation formula for model_type {shape.model_type!r}: used a generic one from hidden "

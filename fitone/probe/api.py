@@ -18,7 +18,7 @@ from fitone.errors import ConfigError
 from fitone.models import CAUSAL, check_seq_len
 from fitone.packing import require_exact_packing
 from fitone.probe.cache import capped_key, probe_key, read_cached, save_cached
-from fitone.probe.choice import choose_batch
+from fitone.probe.choice import UncheckedChoice, choose_batch
 from fitone.probe.results import ProbeResult, TrialResult
 from fitone.probe.search import (DEFAULT_MAX_BATCH, DEFAULT_MARGIN, DEFAULT_MAX_TRIALS, DEFAULT_VERIFY_STEPS,
                                   check_arguments, search_batch_size)
@@ -99,11 +99,13 @@ def probe_on(run: Run, runtime: Runtime, *, max_batch: int | None = None, max_tr
     searched = {"max_batch": max_batch, "max_trials": max_trials, "margin": margin, "verify_steps": verify_steps}
     search = {**searched, **choice_key(run)}  # what a saved result must match: the search and how it chose
     cached = (read_cached(key, search) or read_cached(capped_key(key), search)) if use_cache else None
+    if cached is not None and run.settings.prefer_batch == "largest":
+        cached = _rechosen(cached, run, say)
     if cached is not None:
         capped = f", capped at max_batch={max_batch}" if cached.meta.get("capped") else ""
         say(f"reusing the probe saved {cached.meta.get('date', '')} in {cached.meta['cache_file']} (same model "
             f"config, precision, lengths, GPU and cap{capped}, same choice; --no-cache measures again)")
-        return _choose(cached, run, None, steps=0, say=say) if run.settings.prefer_batch == "largest" else cached
+        return cached
     session = ProbeSession(run, say=say, on_model=on_model)
     try:
         result = search_batch_size(session.try_size, cap_bytes=session.cap_bytes, log=say, **searched)
@@ -131,9 +133,10 @@ def choice_key(run: Run) -> dict[str, Any]:
     cfg.accumulation(1, run.world_size)  # a --global-batch the ranks do not split: refused before any trial
     if cfg.prefer_batch == "largest":  # no timing: made again from the saved search for any global batch
         return {"prefer": "largest"}
+    # "checked": a result whose chosen pair ran accumulated steps (one saved before that fix is not reused)
     if cfg.global_batch is not None:
-        return {"prefer": "throughput", "global_batch": cfg.global_batch // run.world_size}
-    return {"prefer": "throughput", "accumulation": cfg.accumulation(1)}
+        return {"prefer": "throughput", "global_batch": cfg.global_batch // run.world_size, "checked": True}
+    return {"prefer": "throughput", "accumulation": cfg.accumulation(1), "checked": True}
 
 
 def _choose(result: ProbeResult, run: Run, time_step: Callable[[int, int, int], TrialResult] | None, *,
@@ -142,6 +145,16 @@ def _choose(result: ProbeResult, run: Run, time_step: Callable[[int, int, int], 
     return choose_batch(result, prefer=cfg.prefer_batch, time_step=time_step, steps=steps, log=say,
                         accumulation=lambda b: cfg.accumulation(b, run.world_size),
                         global_batch=None if cfg.global_batch is None else cfg.global_batch // run.world_size)
+
+
+def _rechosen(result: ProbeResult, run: Run, say: Say) -> ProbeResult | None:
+    """A saved search's largest choice made again for this run's accumulation; None when no saved trial shows
+    that pair runs accumulated steps (the probe must run again: only an engine can check it)."""
+    try:
+        return _choose(result, run, None, steps=0, say=say)
+    except UncheckedChoice as exc:
+        say(f"the saved probe cannot be reused: {exc} (accumulating takes more memory than one micro-batch a step)")
+        return None
 
 
 def batch_size_for_training(run: Run, runtime: Runtime, say: Say = print) -> int:
@@ -157,6 +170,8 @@ def batch_size_for_training(run: Run, runtime: Runtime, say: Say = print) -> int
     # per-GPU micro-batch; ranks cannot probe together (an OOM on one rank hangs the others' collectives).
     # any search settings, the same choice; never a capped one
     result = read_cached(probe_key(run), full_only=True, choice=choice_key(run))
+    if result is not None and cfg.prefer_batch == "largest":  # untimed: made from any saved search, for this run
+        result = _rechosen(result, run, say)
     if result is not None:
         say(f"--batch-size auto: reusing the probe saved {result.meta.get('date', '')} in "
             f"{result.meta['cache_file']}")
@@ -170,8 +185,6 @@ def batch_size_for_training(run: Run, runtime: Runtime, say: Say = print) -> int
         say("--batch-size auto: no saved probe for this model, precision, lengths, GPU and cap: probing first")
         began = time.perf_counter()
         result = probe_on(run, runtime, use_cache=False, say=say, for_training=True, began=began)
-    if cfg.prefer_batch == "largest":  # untimed: made from any saved search, for this run's global batch
-        _choose(result, run, None, steps=0, say=say)
     how = (f"{choice_reason(result)}: largest fit {result.largest_fit} less a {result.margin * 100:g}% margin "
            f"is {result.chosen}")
     micro, accum = result.micro_batch, result.accumulation

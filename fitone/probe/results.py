@@ -30,7 +30,7 @@ class TrialResult:
     samples_per_s: float | None = None
     oom_phase: str | None = None  # "forward", "backward" or "step"
     steps: int = 0
-    purpose: str = "search"  # "search", "verify" (search_batch_size) or "throughput" (choice.choose_batch)
+    purpose: str = "search"  # "search", "verify" (search_batch_size), "throughput" or "check" (choice.choose_batch)
     accumulation: int = 1
 
     def __post_init__(self) -> None:
@@ -157,7 +157,9 @@ class ProbeResult:
 
 def trials_memory_line(trials: list[TrialResult]) -> tuple[float, float] | None:
     """(fixed, per_sample) bytes through the two largest fitting sizes with a measured peak."""
-    peaks = {t.batch_size: t.peak_gpu_bytes for t in trials if t.fits and t.peak_gpu_bytes is not None}
+    # one micro-batch a step only: accumulating holds more (fitone.probe.choice)
+    peaks = {t.batch_size: t.peak_gpu_bytes for t in trials
+             if t.fits and t.peak_gpu_bytes is not None and t.accumulation == 1}
     if len(peaks) < 2:
         return None
     (b1, p1), (b2, p2) = sorted(peaks.items())[-2:]

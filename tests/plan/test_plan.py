@@ -450,6 +450,75 @@ def test_llama_3_1_8b_plans_within_five_percent_of_its_run(monkeypatch):
     assert p.max_micro_batch >= measured["micro_batch"] == 12
 
 
+QWEN_25_7B = Path(__file__).resolve().parents[2] / "bench" / "results" / "2026-12-02-gpu" / "qwen2.5-7b"
+
+
+def qwen_plan(monkeypatch, **settings):
+    """Qwen2.5-7B as its recipe ran on the H200 (bf16, seq 512, checkpointing, Liger's fused loss, 23 GiB cap)."""
+    from fitone import load_recipe, loss
+
+    monkeypatch.setattr(loss, "liger_available", lambda: True)  # as on that GPU machine
+    recipe = load_recipe("qwen2.5-7b/24gb").values
+    assert (recipe["precision"], recipe["seq_len"], recipe["max_gpu_memory"]) == ("bf16", 512, "23GiB")
+    return plan(**{**recipe, "model": "qwen2.5-7b", "from_scratch": True, "data": "synthetic", "device": "cuda",
+                   **settings}, gpu_mem="141GiB", host_mem="125GiB")
+
+
+def qwen_search_peaks() -> dict[int, float]:
+    """The probe's one-micro-batch-a-step trials as the committed log records them: size -> peak GiB."""
+    log = (QWEN_25_7B / "qwen25-7b-auto.log").read_text()
+    return {int(b): float(g) for b, g in re.findall(r"fitone: (\d+) fits: ([\d.]+) GiB peak", log)}
+
+
+def test_qwen_2_5_7b_plans_each_one_step_trial_and_the_accumulated_run_within_five_percent(monkeypatch):
+    """The plan's GPU step peak (allocated) against the probe's trials at one micro-batch a step, from 16 up
+    (below, another phase than the activations binds the measured peak), and against the run at 16 x 2 (the
+    committed record), within 5% each: the accumulated run holds the LM head's gradient through the backward,
+    the one-step trials do not (components._held_gradient)."""
+    measured = qwen_search_peaks()
+    assert {16, 24, 28, 29} <= set(measured) and measured[29] == 22.3
+    for b in (16, 24, 28, 29):
+        p = qwen_plan(monkeypatch, batch_size=b, global_batch=None, grad_accum=1)
+        assert abs(p.gpu_allocated / (measured[b] * GIB) - 1) <= 0.05, (b, p.gpu_allocated / GIB, measured[b])
+    run = json.loads((QWEN_25_7B / "bench7b-qwen25-7b-auto.json").read_text())
+    assert (run["micro_batch"], run["grad_accum"]) == (16, 2)
+    accumulated = qwen_plan(monkeypatch, batch_size=16, global_batch=32)
+    assert abs(accumulated.gpu_allocated / (run["peak_gpu_steps_gib"] * GIB) - 1) <= 0.05
+    one_step = qwen_plan(monkeypatch, batch_size=16, global_batch=None, grad_accum=1)
+    # what accumulating adds: one 16-bit LM head (152,064 x 3,584), the ~1 GiB the two runs at 16 differ by
+    held = 2 * 152064 * 3584
+    staging = part(accumulated, "gpu", "offload staging") - part(one_step, "gpu", "offload staging")
+    assert staging == held and abs(held / ((run["peak_gpu_steps_gib"] - measured[16]) * GIB) - 1) <= 0.1
+
+
+def test_qwen_2_5_7b_largest_micro_batch_is_the_probes_within_five_percent_at_one_micro_batch_a_step(
+        monkeypatch, capsys):
+    """The probe found 29 fits and 30 does not at one micro-batch a step; the plan's largest at that
+    accumulation is within 5% of 29. Accumulating, the run's own largest is smaller, and the line says both."""
+    one_step = qwen_plan(monkeypatch, batch_size=16, global_batch=None, grad_accum=1)
+    assert abs(one_step.max_micro_batch / 29 - 1) <= 0.05 and one_step.max_micro_batch_one_step == \
+        one_step.max_micro_batch
+    accumulating = qwen_plan(monkeypatch, batch_size=16, grad_accum=2, global_batch=None)
+    assert accumulating.max_micro_batch < one_step.max_micro_batch == accumulating.max_micro_batch_one_step
+    # with --global-batch 32 the accumulation follows the micro-batch: accumulating below 32
+    assert qwen_plan(monkeypatch, batch_size=16, global_batch=32).max_micro_batch == accumulating.max_micro_batch
+    assert qwen_plan(monkeypatch, batch_size=10, global_batch=20).max_micro_batch == 20  # 20 x 1 fits
+    auto = qwen_plan(monkeypatch, batch_size="auto", global_batch=32)
+    assert (auto.micro_batch, auto.max_micro_batch) == (16, accumulating.max_micro_batch)  # 16 x 2, as it ran
+    line = (f"largest micro-batch that fits: {accumulating.max_micro_batch} ({one_step.max_micro_batch} at one "
+            "micro-batch a step; without offload: 0)")
+    assert line in str(auto) and "at one micro-batch a step" not in str(one_step)
+
+
+def test_no_gradient_is_held_when_accumulating_where_every_parameter_fits_a_bucket():
+    """llama-7b's largest parameter (131M elements) is under reduce_bucket_size: its gradient is copied into a
+    bucket and freed, accumulating or not, so the plan is the same at both."""
+    one = plan(**LLAMA_7B, batch_size=8, grad_accum=1, gpu_mem="24GiB", host_mem="256GiB")
+    four = plan(**LLAMA_7B, batch_size=8, grad_accum=4, gpu_mem="24GiB", host_mem="256GiB")
+    assert part(one, "gpu", "offload staging") == part(four, "gpu", "offload staging")
+    assert one.gpu_allocated == four.gpu_allocated and one.max_micro_batch == four.max_micro_batch
+
+
 # -- the parameters counted are those from_pretrained loads -------------------------------------------------
 CARD = dict(gpu_mem="24GiB", host_mem="64GiB")
 
@@ -479,6 +548,30 @@ def test_the_plan_counts_the_parameters_from_pretrained_loads(plan_user_dirs, tm
         config = json.loads((hub_like / "config.json").read_text())
         (hub_like / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
         assert plan(model=str(hub_like), **CARD).n_params == loaded.n_params
+
+
+def test_a_gradient_over_the_bucket_is_held_when_accumulating_and_a_tied_one_at_any_accumulation(
+        plan_user_dirs, tmp_path):
+    """With reduce_bucket_size below the embedding (a --ds-config), an untied model's plan holds one 16-bit
+    copy of its largest parameter more when accumulating (components._held_gradient); a tied embedding's
+    gradient sums over the whole backward, so its plan holds it at one micro-batch a step too."""
+    from fitone.plan.shape import model_shape
+
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"reduce_bucket_size": 1000}}))
+    for arch, tied in (("llama3", False), ("llama3-tied", True)):
+        path = str(plan_user_dirs[arch])
+        cfg = TrainConfig(model=path, precision="bf16", ds_config=str(ds))
+        shape, _ = model_shape(cfg, load_config(path, from_scratch=False))
+        assert shape.tied_embeddings is tied and shape.largest_param > 1000
+        one, two = (plan(model=path, precision="bf16", ds_config=str(ds), batch_size=1, grad_accum=a, **CARD)
+                    for a in (1, 2))
+        held = part(two, "gpu", "offload staging") - part(one, "gpu", "offload staging")
+        assert held == (0 if tied else 2 * shape.largest_param), arch
+        # at one micro-batch a step: the norm's and the sum's chunks (the whole tiny parameter), and a tied
+        # embedding's held gradient beside them
+        chunks = 8 * shape.largest_param + 2 * shape.largest_param
+        assert (part(one, "gpu", "offload staging") - chunks >= 2 * shape.largest_param) is tied, arch
 
 
 @pytest.mark.parametrize("name", ["t5-tiny", "gpt2-tiny", "t5-small"])

@@ -293,7 +293,11 @@ def test_cli_probes_the_longest_examples_writes_json_plot_and_recipe(tmp_path, c
     assert "for --global-batch 6: --batch-size 3 with 2 accumulation steps" in shown
 
     saved = json.loads(out_json.read_text())
-    assert [t["batch_size"] for t in saved["trials"]] == [1, 2, 4, 3] and saved["chosen"] == 3
+    assert [t["batch_size"] for t in saved["trials"]] == [1, 2, 4, 3, 3] and saved["chosen"] == 3
+    # 3 x 2 ran accumulated steps on the probe's engine: two micro-batches a step, as the run will
+    assert {k: saved["trials"][-1][k] for k in ("purpose", "accumulation", "fits", "steps")} == \
+        {"purpose": "check", "accumulation": 2, "fits": True, "steps": 1}
+    assert "3 x 2 checked" in shown
     assert saved["meta"]["worst_case"] == "longest examples"
     assert (saved["meta"]["batch_input_tokens"], saved["meta"]["batch_target_tokens"]) == (16, 3)
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -342,9 +346,11 @@ def test_a_cap_larger_than_the_gpu_is_refused(monkeypatch, capsys):
 # -- --batch-size auto ----------------------------------------------------------------------------
 def test_batch_size_auto_reuses_a_saved_probe_without_building_an_engine(monkeypatch, capsys):
     cfg = probe_config(batch_size="auto", global_batch=12, max_steps=2)
-    saved = ProbeResult(trials=[TrialResult(5, fits=True, step_s=1.0, steps=3, purpose="verify")], largest_fit=5,
-                        chosen=5, margin=0.05, granularity=1, verified=True, best_throughput=5, cap_bytes=None,
-                        wall_s=60.0, meta={"model": "t5-tiny", "date": "2026-11-29T12:00:00"})
+    # 5 x 2 ran accumulated steps: 4 x 3 needs no new check
+    saved = ProbeResult(trials=[TrialResult(5, fits=True, step_s=1.0, steps=3, purpose="verify"),
+                                TrialResult(5, fits=True, step_s=1.0, steps=3, purpose="check", accumulation=2)],
+                        largest_fit=5, chosen=5, margin=0.05, granularity=1, verified=True, best_throughput=5,
+                        cap_bytes=None, wall_s=60.0, meta={"model": "t5-tiny", "date": "2026-11-29T12:00:00"})
     save_cached(key_of(cfg, load_config("t5-tiny", from_scratch=True), "cpu"), {"max_batch": 64}, saved)
 
     def no_probe(*_args, **_kwargs):
@@ -371,7 +377,13 @@ def test_batch_size_auto_under_several_ranks_reuses_the_one_gpu_probe_or_says_to
     saved = ProbeResult(trials=[TrialResult(6, fits=True, step_s=1.0, steps=3, purpose="verify")], largest_fit=6,
                         chosen=6, margin=0.05, granularity=1, verified=True, best_throughput=6, cap_bytes=None,
                         wall_s=60.0, meta={"model": "t5-tiny"})
-    save_cached(key_of(cfg, load_config("t5-tiny", from_scratch=True), "cpu"), {"max_batch": 64}, saved)
+    key = key_of(cfg, load_config("t5-tiny", from_scratch=True), "cpu")
+    save_cached(key, {"max_batch": 64}, saved)
+    # 5 x 2 a GPU never ran accumulated steps in that probe: not reused, and the ranks cannot check it
+    with pytest.raises(ConfigError, match="needs a saved one-GPU probe"):
+        batch_size_for_training(ranks, ranks.runtime(), say=lambda text: None)
+    saved.trials.append(TrialResult(5, fits=True, step_s=1.0, steps=3, purpose="check", accumulation=2))
+    save_cached(key, {"max_batch": 64}, saved)
     assert batch_size_for_training(ranks, ranks.runtime(), say=lambda text: None) == 5  # 20 = 5/GPU x 2 GPUs x 2
 
 
@@ -753,4 +765,7 @@ def test_the_saved_choice_is_reused_only_for_the_same_preference_and_global_batc
     assert read_cached(key, choice=choice(global_batch=None, grad_accum=2)) is None
     assert read_cached(key, choice=choice(prefer_batch="largest")) is not None  # untimed: any saved search
     assert choice(prefer_batch="largest") == {"prefer": "largest"}
-    assert choice() == {"prefer": "throughput", "global_batch": 8}
+    assert choice() == {"prefer": "throughput", "global_batch": 8, "checked": True}
+    before_the_check = {k: v for k, v in choice().items() if k != "checked"}  # saved before the accumulated check
+    save_cached(key, {"max_batch": 64, **before_the_check}, result)
+    assert read_cached(key, choice=choice()) is None  # probed again

@@ -21,7 +21,7 @@ from conftest import child_env
 from fitone.errors import ConfigError, MemoryBudgetError
 from fitone.probe.results import ProbeResult, TrialResult
 from fitone.probe.search import granularity_at, search_batch_size
-from fitone.units import GIB
+from fitone.units import GIB, gib
 
 MIB = 1024**2
 FIXED = 6 * GIB  # a: weights, buffers, allocator slack
@@ -352,13 +352,98 @@ def test_throughput_chooses_a_smaller_micro_batch_with_accumulation_when_it_is_f
     assert "16 x 6  fits timed" in result.table()
 
 
-def test_prefer_largest_keeps_the_old_choice_and_times_nothing():
+def test_prefer_largest_keeps_the_old_choice_times_nothing_and_checks_it_accumulating():
     gpu = OffloadGPU()
-    result, _ = chose(gpu, "largest", global_batch=96)
+    result, lines = chose(gpu, "largest", global_batch=96)
     assert (result.micro_batch, result.accumulation) == (48, 2) == result.for_global_batch(96)
-    assert result.candidates() == [] and set(gpu.accumulations) == {1}
+    assert result.candidates() == [] and gpu.accumulations[-1] == 2 and set(gpu.accumulations[:-1]) == {1}
+    assert [(t.batch_size, t.accumulation, t.steps, t.purpose) for t in result.trials][-1] == (48, 2, 3, "check")
+    assert any(line.startswith("48 x 2 fits: ") and "over 3 steps of 2 micro-batches: 48 x 2 checked" in line
+               for line in lines)
     assert "train with: micro-batch 48 x 2 accumulation steps (for --global-batch 96: the largest within the " \
            "margin that divides it; --prefer-batch largest)" in result.table()
+    assert "48 x 2  fits check" in result.table()
+
+
+# -- accumulating costs memory: the pair chosen has run accumulated steps ------------------------------------
+ACCUMULATING = 1100 * MIB  # the fake's extra at accumulation > 1: one more 545M-element bf16 tensor
+
+
+class AccumulatingGPU(OffloadGPU):
+    """Fakes a GPU with a cap where a step of more than one micro-batch holds ACCUMULATING bytes more (as a
+    real one holds the previous micro-batch's reduced gradients): 100 fits at one micro-batch a step, only
+    78 when accumulating. Larger micro-batches are faster per sample, so the largest pair wins when it fits."""
+
+    CAP = FIXED + 100 * PER_SAMPLE
+    EXTRA = ACCUMULATING
+
+    def __call__(self, size: int, steps: int, accumulation: int = 1) -> TrialResult:
+        self.calls.append((size, steps))
+        self.accumulations.append(accumulation)
+        peak = FIXED + PER_SAMPLE * size + (self.EXTRA if accumulation > 1 else 0)
+        if peak > self.CAP:
+            return TrialResult(size, fits=False, oom_phase="forward", steps=0, accumulation=accumulation)
+        return TrialResult(size, fits=True, peak_gpu_bytes=peak, step_s=accumulation * (1 + 0.001 * size) + 1.0,
+                           steps=steps, accumulation=accumulation)
+
+
+def test_accumulating_gpu_fits_fewer_samples_when_accumulating():
+    gpu = AccumulatingGPU()
+    assert gpu(100, 1).fits and not gpu(101, 1).fits
+    assert gpu(78, 1, 2).fits and not gpu(79, 1, 2).fits and gpu(79, 1, 1).fits
+
+
+def test_throughput_never_chooses_a_largest_pair_that_ran_out_of_memory_accumulating():
+    # fails before issue 27's fix: 80 x 2 ran out of memory in its timing and was chosen anyway
+    result, lines = chose(AccumulatingGPU(), "throughput", global_batch=160)
+    timed = {(t.batch_size, t.accumulation): t.fits for t in result.candidates()}
+    assert timed[(80, 2)] is False  # chosen 95: 80 x 2 is the largest pair; it fits only at one micro-batch a step
+    assert (result.micro_batch, result.accumulation) != (80, 2)
+    pair = (result.micro_batch, result.accumulation)
+    assert any(t.fits and (t.batch_size, t.accumulation) == pair and t.accumulation > 1 for t in result.trials)
+    assert any("80 x 2 ran out of memory: comparing with" in line for line in lines)
+
+
+def test_largest_steps_down_to_the_next_dividing_pair_when_the_check_runs_out_of_memory():
+    # fails before the fix: the largest choice ran no accumulated step and returned 80 x 2
+    gpu = AccumulatingGPU()
+    result, lines = chose(gpu, "largest", global_batch=160)
+    checks = [(t.batch_size, t.accumulation, t.fits) for t in result.trials if t.purpose == "check"]
+    assert checks == [(80, 2, False), (40, 2, True)]  # 2 micro-batches a step check any accumulation
+    assert (result.micro_batch, result.accumulation) == (40, 4)
+    assert any("80 x 2 out of memory in forward accumulating; stepping down" in line for line in lines)
+    peak = gib(FIXED + 40 * PER_SAMPLE + ACCUMULATING)
+    assert any(line.startswith(f"40 x 2 fits: {peak:.1f} GiB peak") and "40 x 4 checked" in line for line in lines)
+    assert any(line == "for --global-batch 160: 40 x 4, the largest micro-batch that divides it and runs "
+               "accumulated steps" for line in lines)
+
+
+def test_a_pair_that_keeps_running_out_of_memory_accumulating_asks_for_a_larger_margin():
+    from fitone.probe.choice import MAX_CHECK_TRIES
+
+    class Tight(AccumulatingGPU):
+        EXTRA = 100 * PER_SAMPLE  # no micro-batch fits accumulating
+
+    gpu = Tight()
+    with pytest.raises(MemoryBudgetError, match="ran out of memory accumulating although 95 fitted at one "
+                       "micro-batch a step: use a larger --margin"):
+        chose(gpu, "largest", global_batch=96 * 5)  # pairs 80 x 6, 60 x 8, 48 x 10, ...
+    assert gpu.accumulations.count(2) == MAX_CHECK_TRIES
+
+
+def test_a_saved_search_is_chosen_again_only_where_its_trials_cover_the_accumulation():
+    from fitone.config import TrainConfig
+    from fitone.probe.choice import UncheckedChoice, choose_batch
+
+    result, _ = chose(AccumulatingGPU(), "largest", global_batch=160)  # 40 x 4 checked, 80 x 2 ran out
+    again = dataclasses.replace(result, trials=list(result.trials))
+    for global_batch, pair in [(160, (40, 4)), (117, (39, 3)), (95, (95, 1))]:  # covered: no time_step needed
+        choose_batch(again, prefer="largest", accumulation=TrainConfig(global_batch=global_batch).accumulation,
+                     global_batch=global_batch, log=quiet)
+        assert (again.micro_batch, again.accumulation) == pair
+    with pytest.raises(UncheckedChoice, match="60 x 2 has not run accumulated steps"):  # 40 < 60 < 80
+        choose_batch(again, prefer="largest", accumulation=TrainConfig(global_batch=120).accumulation,
+                     global_batch=120, log=quiet)
 
 
 def test_a_smaller_micro_batch_must_beat_the_largest_by_the_tolerance():
