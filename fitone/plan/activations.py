@@ -10,6 +10,10 @@ from fitone.plan.shape import ModelShape
 # layer's saved tensors (fitted to the checkpointed t5-3b runs at 128/128 and 256/64, within 2%).
 BACKWARD_TRANSIENT_FF = 0.75
 
+# The causal LM's own loss measured on a GPU: llama-7b at 16 x 2 x 512, 18.11 GiB, 7.2 B per logit beyond the
+# layers' kept inputs, where three fp32 logit-sized tensors would be 12 (bench/results/2026-12-02b-gpu/).
+PLAIN_LOSS_RUN = "bench/results/2026-12-02b-gpu/call3/llama-7b-loss/"
+
 # ff-sized tensors an activation function saves for its backward (HF's ACT2FN implementations).
 _ACT_SAVED = {"relu": 1, "gelu": 1, "gelu_pytorch_tanh": 1, "silu": 1, "swish": 1, "quick_gelu": 2,
               "gelu_new": 4, "gelu_fast": 5}
@@ -107,6 +111,8 @@ def activation_bytes(s: ModelShape, *, precision: str, checkpointing: bool, leng
         loss_dtype, tgt, l_dec = 4, lengths.tgt, s.layers
     lsm = loss_dtype * s.vocab * tgt  # log-softmax output kept for the loss backward
     loss_grads = 2 * loss_dtype * s.vocab * tgt  # its incoming gradient and the logits' gradient
+    if not (s.family == "t5" or s.encoder_decoder):  # a causal LM's fp32 loss: one fp32 gradient at its peak
+        loss_grads = loss_dtype * s.vocab * tgt  # (llama-7b, the model's own loss: PLAIN_LOSS_RUN)
     if fused_loss and not (s.family == "t5" or s.encoder_decoder):
         lsm = a * s.hidden * tgt  # the labelled hidden states, gathered
         loss_grads = a * s.hidden * tgt + (8 * s.hidden * tgt if fused_loss == "liger" else 0)
