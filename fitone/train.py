@@ -30,6 +30,7 @@ from fitone import loss as fused_loss
 from fitone.guards import numerics_advice
 from fitone.metrics import MetricsLog
 from fitone.models import SEQ2SEQ, LoadedModel, load_model, require_model
+from fitone import rundir
 from fitone.rundir import check_run_dir
 from fitone.run import Run, resolve
 from fitone.runtime import Runtime
@@ -306,7 +307,7 @@ class Trainer:
         if not self.policy.state_is_good:
             raise TrainingAborted(f"{why} at step {step}; not saved, because the last step's loss was NaN/inf"
                                   f"{self._last_good()}")
-        short = self.policy.save_short(checkpoint.save_host_bytes(self.engine))
+        short = self.policy.save_short(checkpoint.save_host_bytes(self.engine)) or self._disk_short()
         if short:  # stop without the save: killed mid-save, the run would end the same, with less said
             raise TrainingAborted(f"{why} at step {step}; not saved, because {short}{self._last_good()}")
         self._say(f"{why}: saving a checkpoint at step {step}, then stopping (a second Ctrl-C quits at once)")
@@ -323,6 +324,17 @@ class Trainer:
         last = checkpoint.latest(self.out) if self.out else None
         return f"; the last good checkpoint is {last}: add --resume to continue from it" if last else ""
 
+    def _disk_short(self) -> str | None:
+        """Why this save would not fit the disk under --out (None: it fits): a stop's save (Ctrl-C, SIGTERM, the
+        host guard) comes at any step, where --save-every's check before training counted only its own."""
+        n_params = sum(p.numel() for p in self.engine.module.parameters())
+        need = checkpoint.checkpoint_bytes(n_params, self.run.precision, self.run.mode.states)
+        free = rundir.free_disk_bytes(self.out)
+        if not self.policy.agree(need > free)[0]:
+            return None
+        return (f"one checkpoint of this model is {gib(need):.2f} GiB and {self.out} has {gib(free):.2f} GiB free "
+                "(a half-written checkpoint resumes nothing); free disk space, or give an --out on a larger disk")
+
     def _save(self) -> Path | None:
         """This step's checkpoint (the one already written, if any); a save the host cannot hold is not started:
         the run stops, saying why."""
@@ -331,7 +343,7 @@ class Trainer:
         done = checkpoint.checkpoint_root(self.out) / checkpoint.tag_for(self.state["step"])
         if checkpoint.is_complete(done):  # e.g. the end of a run right after a periodic save
             return done
-        short = self.policy.save_short(checkpoint.save_host_bytes(self.engine))
+        short = self.policy.save_short(checkpoint.save_host_bytes(self.engine)) or self._disk_short()
         if short:
             raise TrainingAborted(f"stopped at step {self.state['step']} instead of writing a checkpoint, because "
                                   f"{short}{self._last_good()}")

@@ -121,6 +121,28 @@ def test_second_ctrl_c_during_the_save_exits_at_once_and_corrupts_nothing(tmp_pa
     assert not list((out / "checkpoints").glob(".tmp-*"))
 
 
+def test_a_stops_save_that_cannot_fit_the_disk_is_not_started(tmp_path, monkeypatch):
+    """SIGTERM after step 2 of a run without --save-every: the stop's save is checked against the free disk
+    first (FAKED: the free-disk reading, one byte short of a checkpoint; a test cannot fill a disk). The run
+    stops in one line saying why, and leaves no half-written checkpoint (a Mistral-7B run stopped by SIGTERM
+    spent 81 s writing a 100 GB checkpoint onto 64 GiB and failed: bench/results/2026-12-02b-gpu/)."""
+    from fitone import rundir
+    from fitone.models import build_model, load_config
+
+    out = tmp_path / "run"
+    need = checkpoint.checkpoint_bytes(sum(p.numel() for p in build_model(load_config("t5-tiny", from_scratch=True))
+                                           .parameters()), "fp32")
+    monkeypatch.setattr(rundir, "free_disk_bytes", lambda _path: need - 1)
+    signal_after_step(monkeypatch, 2, signal.SIGTERM)
+    with pytest.raises(TrainingAborted) as info:
+        fitone.train(cpu_config(batch_size=4, max_steps=50, out=str(out)))
+    assert str(info.value) == (
+        f"stopped by SIGTERM at step 2; not saved, because one checkpoint of this model is {need / 2**30:.2f} GiB "
+        f"and {out} has {(need - 1) / 2**30:.2f} GiB free (a half-written checkpoint resumes nothing); free disk "
+        "space, or give an --out on a larger disk")
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
+
+
 # -- resume restores everything ----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def t5_with_dropout(tmp_path_factory) -> Path:
