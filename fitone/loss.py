@@ -42,8 +42,8 @@ FUSED_LOSS_TYPES: dict[str, str | None] = {
 
 
 # On a GPU a vocabulary below this keeps the model's own loss: at llama-7b's 32,000 tokens its logits are small
-# and it was faster than Liger's fused kernel (bench/results/2026-12-02b-gpu/); at 128k-152k the logits are
-# most of a sample's activations and the fused loss is what lets the micro-batch grow.
+# and Liger's fused kernel was no faster (bench/results/2026-12-02b-gpu/); at 128k-152k the logits are most of
+# a sample's activations and the fused loss is what lets the micro-batch grow.
 FUSED_MIN_VOCAB_GPU = 65_536
 
 

@@ -139,8 +139,19 @@ def test_architectures_whose_loss_is_not_plain_keep_their_forward():
     assert fused.fused_loss_backend(user_models.model_config("t5-v1_1", 320), device="cpu", precision="bf16") is None
     # liger needs a CUDA GPU and never takes fp16 (its gradients are formed at loss scale 1)
     llama = user_models.model_config("llama3", 320)
+    llama.vocab_size = fused.FUSED_MIN_VOCAB_GPU  # a large vocabulary: the config is only read, never built
     assert fused.fused_loss_backend(llama, device="cuda", precision="fp16") == "chunked"
     assert fused.fused_loss_backend(llama, device="cpu", precision="bf16") == "chunked"
+
+
+def test_a_small_vocabulary_keeps_the_models_own_loss_on_a_gpu_only():
+    """On a GPU, under FUSED_MIN_VOCAB_GPU tokens the logits are small and the fused kernel was no faster
+    (bench/results/2026-12-02b-gpu/): the model's own loss. On a CPU the chunked path stays (tested above)."""
+    llama = user_models.model_config("llama3", 320)
+    for vocab, want in ((fused.FUSED_MIN_VOCAB_GPU - 1, None), (fused.FUSED_MIN_VOCAB_GPU, "chunked")):
+        llama.vocab_size = vocab
+        assert fused.fused_loss_backend(llama, device="cuda", precision="fp16") == want
+        assert fused.fused_loss_backend(llama, device="cpu", precision="fp16") == "chunked"
 
 
 @pytest.mark.parametrize("arch,bos", [("llama3", True), ("qwen2", False)])
