@@ -107,6 +107,9 @@ class TrainConfig:
 
     # filled by the recipe loader: where the values came from
     recipe: str | None = field(default=None, repr=False)
+    # filled by the CLI: the options typed or in the recipe named, not defaults (TrainConfig always holds a
+    # seq_len; fitone.run refuses a typed one for a seq2seq model once it has the model's config). No option.
+    typed: tuple[str, ...] = field(default=(), repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -114,7 +117,8 @@ class TrainConfig:
     # -- construction -------------------------------------------------------------------------
     @classmethod
     def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
+        """The option names (flags, YAML keys, keywords)."""
+        return [f.name for f in fields(cls) if f.name != "typed"]
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any], *, where: str = "options") -> "TrainConfig":
@@ -133,7 +137,7 @@ class TrainConfig:
         return cfg.replace(**overrides) if cfg is not None else cls(**overrides)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {name: value for name, value in dataclasses.asdict(self).items() if name != "typed"}
 
     # -- sections: what one module reads -----------------------------------------------------
     def data_settings(self) -> "DataSettings":

@@ -14,6 +14,7 @@ import torch
 
 from fitone import extensions, memory
 from fitone.runtime import ds_chatter
+from fitone.zero2 import accumulation, delayed, grad_norm, layout, oom, overflow, overlap, timing
 
 
 _UNTIMED = contextlib.nullcontext()
@@ -30,8 +31,6 @@ class Engine:
         weights and states), rounded with `rounding_seed`. Default: DeepSpeed's step. A run's
         StepMode.engine_options() gives them all."""
         import deepspeed
-
-        from fitone.zero2 import delayed, grad_norm, layout, overflow, overlap, timing
 
         timing.engine_starting()  # a benchmark's callback, inside zero2.timing.timed_engines() only
         start = time.perf_counter()
@@ -108,9 +107,7 @@ class Engine:
         engine); yields `before_micro_step(i)`, to call before each forward (fitone.zero2.accumulation)."""
         if steps == 1:
             return contextlib.nullcontext(lambda _i: None)
-        from fitone.zero2.accumulation import accumulating
-
-        return accumulating(self.ds, self.optimizer, steps)
+        return accumulation.accumulating(self.ds, self.optimizer, steps)
 
     @property
     def skipped_steps(self) -> int:
@@ -118,9 +115,7 @@ class Engine:
 
     @property
     def last_step_applied(self) -> bool:
-        from fitone.zero2.overflow import step_applied
-
-        return step_applied(self.ds)
+        return overflow.step_applied(self.ds)
 
     @property
     def loss_scale(self) -> float | None:
@@ -134,10 +129,8 @@ class Engine:
 
     def reset_after_oom(self) -> None:
         """Make the engine usable after an out-of-memory error in backward or in the optimizer step."""
-        from fitone.zero2.oom import reset_after_oom
-
         self.sync_weights()  # an overlapped update still in flight reads the host buffers reset below
-        reset_after_oom(self.ds, self.optimizer)
+        oom.reset_after_oom(self.ds, self.optimizer)
         memory.free_memory()
 
     def save(self, save_dir: str, tag: str, client_state: dict[str, Any]) -> None:
@@ -145,9 +138,7 @@ class Engine:
         self.ds.save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=False)
 
     def load(self, load_dir: str, tag: str) -> dict[str, Any]:
-        from fitone.zero2.layout import loading_across_layouts
-
-        with loading_across_layouts(self.ds, self.optimizer):  # a checkpoint from before bounded groups too
+        with layout.loading_across_layouts(self.ds, self.optimizer):  # a checkpoint from before bounded groups too
             _path, client_state = self.ds.load_checkpoint(load_dir, tag=tag, load_optimizer_states=True,
                                                           load_lr_scheduler_states=True)
         if _path is None:

@@ -15,8 +15,9 @@ from typing import Any
 
 from fitone import ds_config, runtime
 from fitone.config import TrainConfig, resolve_precision
-from fitone.errors import ModelError
-from fitone.models import config_and_notes, from_scratch_hint, require_model, shipped_models, shipped_twin, task_of
+from fitone.errors import ConfigError, ModelError
+from fitone.models import (SEQ2SEQ, config_and_notes, from_scratch_hint, require_model, shipped_models, shipped_twin,
+                           task_of)
 from fitone.runtime import DistInfo, Placement, Runtime
 from fitone.units import parse_size
 from fitone.zero2 import step_mode
@@ -79,10 +80,11 @@ def resolve(cfg: TrainConfig) -> Run:
     (or a single process's) distributed env."""
     require_model(cfg.model)
     device = runtime.resolve_device(cfg)
-    if cfg.precision == "auto" and device == "cpu" and int(os.environ.get("RANK", "0")) == 0:
+    run = _decide(cfg, device, runtime.ensure_dist_env())
+    if cfg.precision == "auto" and device == "cpu" and run.is_main:
         print("fitone: no GPU: training in fp32 on the CPU (fp16 needs a CUDA GPU; --precision bf16 is "
               "faster on CPUs with bf16 instructions)", flush=True)
-    return _decide(cfg, device, runtime.ensure_dist_env())
+    return run
 
 
 def resolve_planned(cfg: TrainConfig, gpus: int) -> Run:
@@ -112,10 +114,13 @@ def _decide(cfg: TrainConfig, device: str, dist: DistInfo, *, planning: bool = F
                             delayed_update_after=cfg.delayed_update_after, pipelined_update=cfg.pipelined_update,
                             world_size=dist.world_size, on_gpu=on_gpu, optimizer_states=cfg.optimizer_states,
                             seed=cfg.seed)
-    run = Run(settings=cfg, device=device, dist=dist, precision=precision, model_config=config,
-              task=task_of(config), user_ds=user, ds_sections=sections, mode=mode,
-              cap_bytes=parse_size(cfg.max_gpu_memory, "--max-gpu-memory"), config_notes=tuple(notes))
-    return run
+    task = task_of(config)
+    if task == SEQ2SEQ and "seq_len" in cfg.typed:  # it would be ignored without a word
+        raise ConfigError(f"--seq-len is for causal LMs; {cfg.model} is seq2seq: give --src-len and --tgt-len "
+                          f"(now {cfg.src_len} and {cfg.tgt_len}) instead")
+    return Run(settings=cfg, device=device, dist=dist, precision=precision, model_config=config, task=task,
+               user_ds=user, ds_sections=sections, mode=mode,
+               cap_bytes=parse_size(cfg.max_gpu_memory, "--max-gpu-memory"), config_notes=tuple(notes))
 
 
 def _planned_config(name: str, *, from_scratch: bool) -> tuple[Any, list[str]]:

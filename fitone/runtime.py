@@ -20,6 +20,8 @@ import torch
 from fitone import extensions, memory
 from fitone.config import TrainConfig
 from fitone.errors import DeviceError
+from fitone.zero2 import check_version
+from fitone.zero2.ops import probe_ops_quietly, shm_comm_needed
 
 
 @dataclass(frozen=True)
@@ -117,8 +119,6 @@ def quiet_logs(verbose: bool) -> None:
     ds_logger.setLevel(logging.INFO if verbose else logging.ERROR)
     transformers.logging.set_verbosity(logging.INFO if verbose else logging.ERROR)
     if not verbose:
-        from fitone.zero2.ops import probe_ops_quietly
-
         probe_ops_quietly(silenced_fds)
 
 
@@ -247,9 +247,6 @@ class Runtime(Placement):
         the GPU cap. Once per Runtime; returns a note the user should hear once ('' for none)."""
         if self.started:
             return ""
-        from fitone.zero2 import check_version
-        from fitone.zero2.ops import shm_comm_needed
-
         check_version()
         quiet_logs(self.verbose)
         note = share_cpu_threads()

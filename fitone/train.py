@@ -31,6 +31,9 @@ from fitone.guards import numerics_advice
 from fitone.metrics import MetricsLog
 from fitone.models import SEQ2SEQ, LoadedModel, load_model, require_model
 from fitone import rundir
+from fitone.plan import preflight
+from fitone.probe.api import batch_size_for_training
+from fitone.report import plot_losses
 from fitone.rundir import check_run_dir
 from fitone.run import Run, resolve
 from fitone.runtime import Runtime
@@ -87,8 +90,6 @@ class TrainResult:
                 f"host {gib(self.peak_host_rss_bytes):.1f} GiB{', ' + q if q else ''})")
 
     def plot(self, path: str | Path) -> Path:
-        from fitone.report import plot_losses
-
         return plot_losses(self.losses, path)
 
 
@@ -148,8 +149,6 @@ class Trainer:
             self._say(note)
         # an 'auto' batch size is probed first, on its own model copy, before this run's weights load
         if run.batch_is_auto:
-            from fitone.probe.api import batch_size_for_training
-
             run = run.with_batch(batch_size_for_training(run, runtime, say=self._say))
             self._preflight(run)
         self.micro_batch, self.accum = run.micro_batch, run.accumulation
@@ -188,8 +187,6 @@ class Trainer:
         """Stop before anything is allocated if the plan says host RAM or the GPU cannot hold the run."""
         if not self.cfg.preflight:
             return
-        from fitone.plan import preflight
-
         preflight(run)
 
     def _setup_engine(self, run: Run) -> Engine:

@@ -14,13 +14,14 @@ import torch
 
 from fitone import checkpoint
 from fitone.config import TrainConfig
-from fitone.data import (ChatFields, Dataset, Rows, data_file, load_dataset, open_data, require_one_batch,
-                         resume_position)
+from fitone.data import (ChatFields, Dataset, Rows, chat_tokenizer, data_file, load_dataset, open_data,
+                         require_one_batch, resume_position)
 from fitone.errors import ConfigError
 from fitone.evaluate import HeldOut
 from fitone.metrics import MetricsLog
 from fitone.models import CAUSAL, SEQ2SEQ, LoadedModel, check_seq_len, load_tokenizer
 from fitone.packing import require_exact_packing
+from fitone.plan import model_shape
 from fitone.rundir import check_checkpoint_room, setup_run_dir
 from fitone.run import Run
 from fitone.zero2 import step_mode
@@ -49,8 +50,6 @@ def check_inputs(run: Run) -> Inputs:
     rows = open_data(cfg.data_settings(), task)
     tokenizer = load_tokenizer(cfg.model, config, from_scratch=cfg.from_scratch)  # a missing one is refused here
     if rows is not None and isinstance(rows.fields, ChatFields):
-        from fitone.data import chat_tokenizer
-
         chat_tokenizer(tokenizer, cfg.chat_template, rows.source)
     held_out = data_file(cfg.data_settings(), task, split="eval")
     if cfg.eval_every and held_out is None:
@@ -68,8 +67,6 @@ def check_disk(run: Run, resume_from: Path | None) -> None:
     cfg = run.settings
     if not (cfg.save_every and cfg.out and cfg.preflight):
         return
-    from fitone.plan import model_shape
-
     n_params = model_shape(cfg, run.model_config)[0].n_params  # the pre-flight's (cached) meta build
     first = int(checkpoint.read_state(resume_from)["step"]) if resume_from else 0
     # the periodic saves after `first`, and the end's unless the last step was one of them (Trainer._save)

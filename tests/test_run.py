@@ -1,9 +1,10 @@
-"""A run decides once (fitone.run): one `--batch-size auto` training resolves its precision, device, step mode
-and GPU cap once each, and builds one DeepSpeed config per engine.
+"""A run decides once (fitone.run): one `fitone train --batch-size auto` loads the model config and resolves its
+precision, device, step mode and GPU cap once each, and builds one DeepSpeed config per engine.
 
 Real engines on the CPU: the probe's (a search with a ceiling, as the CPU has no memory limit to find) and
-training's, on the tiny T5 and on a user's own causal LM with a BOS-adding tokenizer and one without. The
-counts are taken by wrapping each decision under every fitone module's own name for it.
+training's, on the tiny T5 and on a user's own causal LM with a BOS-adding tokenizer and one without, typed as
+a user types them (the causal ones with --seq-len, which is refused for a seq2seq model). The counts are taken
+by wrapping each decision under every fitone module's own name for it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import pytest
 import fitone
 import user_models
 from conftest import cpu_config
-from fitone import config, ds_config, runtime, units
+from fitone import config, ds_config, models, runtime, units
+from fitone.cli import dispatch
 from fitone.engine import Engine
 from fitone.errors import ConfigError
 from fitone.probe import api as probe_api
@@ -59,18 +61,20 @@ def a_cap_decision(value, flag, *args, **kwargs) -> bool:
     return flag == "--max-gpu-memory" and sys._getframe(2).f_code.co_name != "validate"
 
 
-def settings(case: str, tmp_path, text_jsonl):
+def train_argv(case: str, tmp_path, text_jsonl) -> list[str]:
+    common = ["--device", "cpu", "--batch-size", "auto", "--max-steps", "2", "--precision", "auto", "--lr", "3e-3",
+              "--eval-examples", "0", "--no-progress", "--seed", "0"]
     if case == "t5":
-        return cpu_config(src_len=8, tgt_len=8, batch_size="auto", max_steps=2, precision="auto")
+        return ["train", "--model", "t5-tiny", "--from-scratch", "--src-len", "8", "--tgt-len", "8", *common]
     bos = case == "llama3, BOS"
     model = user_models.model_dir("llama3" if bos else "qwen2", tmp_path / "model", bos=bos)
-    return cpu_config(model=str(model), from_scratch=False, data=str(text_jsonl), seq_len=16, batch_size="auto",
-                      max_steps=2, precision="auto")
+    return ["train", "--model", str(model), "--data", str(text_jsonl), "--seq-len", "16", *common]
 
 
 @pytest.mark.parametrize("case", ["t5", "llama3, BOS", "qwen2, no BOS"])
 def test_batch_size_auto_decides_each_thing_once_and_builds_one_deepspeed_config_per_engine(case, monkeypatch,
                                                                                             tmp_path, text_jsonl):
+    loads = count_calls(monkeypatch, models.config_and_notes)  # the model config: the CLI's checks read the run's
     precisions = count_calls(monkeypatch, config.resolve_precision)  # 'auto' -> fp32 here: one answer
     devices = count_calls(monkeypatch, runtime.resolve_device)  # GPU or CPU, and the checks against it
     modes = count_calls(monkeypatch, step_mode.decide)  # the optimizer step: probe and training take the same
@@ -86,9 +90,14 @@ def test_batch_size_auto_decides_each_thing_once_and_builds_one_deepspeed_config
     monkeypatch.setattr(Engine, "__init__", counting_init)
     # the CPU has no memory limit for the probe's search to find: training's probe gets a ceiling of 2
     monkeypatch.setattr(probe_api, "probe_on", functools.partial(probe_api.probe_on, verify_steps=1, max_batch=2))
-    result = fitone.train(settings(case, tmp_path, text_jsonl))
+    results = []
+    real_train = fitone.train
+    monkeypatch.setattr(fitone, "train", lambda cfg: results.append(real_train(cfg)) or results[-1])  # as the CLI
+    assert dispatch(train_argv(case, tmp_path, text_jsonl)) == 0
+    result, = results
     assert result.micro_batch == 1 and result.steps == 2 and result.precision == "fp32"  # sizes 1, 2: 2 x 0.95
     assert result.losses and all(loss == loss for loss in result.losses)  # real steps, no NaN
+    assert len(loads) == 1, loads
     assert len(precisions) == 1, precisions
     assert len(devices) == 1, devices
     assert len(modes) == 1, modes

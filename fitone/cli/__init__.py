@@ -11,6 +11,7 @@ import difflib
 import importlib
 import sys
 
+from fitone import __version__
 from fitone.errors import FitoneError
 
 # command name -> module under fitone.cli
@@ -52,8 +53,6 @@ def nearest_flag(unknown: list[str], parser: argparse.ArgumentParser) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from fitone import __version__
-
     parser = Parser(
         prog="fitone", description="Fine-tune models too big for one GPU on one GPU (DeepSpeed ZeRO-2 + CPU offload)."
     )

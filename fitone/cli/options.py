@@ -10,7 +10,7 @@ import dataclasses
 from typing import Any, Iterable
 
 from fitone.config import DEVICES, LR_SCHEDULES, OFFLOADS, OPTIMIZER_STATES, PRECISIONS, PREFER_BATCH, TrainConfig
-from fitone.errors import ConfigError
+from fitone.recipes import load_recipe, parse_overrides
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
 
@@ -136,10 +136,8 @@ def add_recipe_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="override recipe values")
 
 
-def config_from_args(args: argparse.Namespace, names: Iterable[str]):
-    """Recipe values, then key=value overrides, then typed flags."""
-    from fitone.recipes import load_recipe, parse_overrides
-
+def config_from_args(args: argparse.Namespace, names: Iterable[str]) -> TrainConfig:
+    """Recipe values, then key=value overrides, then typed flags; `typed` names what the user gave."""
     overrides = {**parse_overrides(getattr(args, "overrides", []) or []), **given(args, names)}
     typed = set(overrides)
     if getattr(args, "recipe", None):
@@ -148,23 +146,4 @@ def config_from_args(args: argparse.Namespace, names: Iterable[str]):
         typed |= set(recipe.values)
     else:
         cfg = TrainConfig.from_dict(overrides)
-    if "seq_len" in typed:
-        refuse_seq_len_on_seq2seq(cfg)
-    return cfg
-
-
-def refuse_seq_len_on_seq2seq(cfg: TrainConfig) -> None:
-    """A seq2seq model reads --src-len and --tgt-len; a --seq-len given for one would be ignored without a word.
-    Only a length the user gave is checked (TrainConfig always holds a seq_len), so it is checked here."""
-    from fitone.errors import FitoneError
-    from fitone.models import SEQ2SEQ, load_config, task_of
-
-    if not cfg.model:
-        return
-    try:
-        task = task_of(load_config(cfg.model, from_scratch=cfg.from_scratch))
-    except FitoneError:
-        return  # the run's own checks report an unknown model, in their words
-    if task == SEQ2SEQ:
-        raise ConfigError(f"--seq-len is for causal LMs; {cfg.model} is seq2seq: give --src-len and --tgt-len "
-                          f"(now {cfg.src_len} and {cfg.tgt_len}) instead")
+    return dataclasses.replace(cfg, typed=tuple(sorted(typed)))

@@ -7,6 +7,7 @@ import json
 import sys
 
 from fitone.cli.options import add_config_flags, add_recipe_arguments, config_from_args
+from fitone.render import plan_text, plot_plan
 
 FLAGS = ("model", "from_scratch", "src_len", "tgt_len", "seq_len", "pack", "batch_size", "grad_accum", "global_batch",
          "precision", "activation_checkpointing", "offload", "delayed_update", "pipelined_update",
@@ -37,8 +38,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, FLAGS)  # first: a bad option costs no torch import
-    from fitone.plan import plan
-    from fitone.render import plan_text, plot_plan
+    from fitone.plan import plan  # here: it imports torch, which `fitone plan --help` does not need
 
     result = plan(cfg, gpu_mem=args.gpu_mem, gpus=args.gpus, host_mem=args.host_mem)
     print(json.dumps(result.to_dict(), indent=2) if args.json else plan_text(result))

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import argparse
 
+import fitone
 from fitone.cli.options import add_config_flags, add_recipe_arguments, config_from_args
 from fitone.probe import search
+from fitone.recipes import save_to_recipe
+from fitone.render import probe_table
 
 # the train options that decide memory (and --global-batch and --prefer-batch: the micro-batch x accumulation)
 PROBE_FLAGS = ["model", "from_scratch", "data", "data_split", "data_config", "chat_template", "pack", "source_field",
@@ -50,11 +53,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args, PROBE_FLAGS)  # first: a bad option costs no torch import
-    import fitone
-    from fitone.recipes import save_to_recipe
-    from fitone.render import probe_table
-
+    cfg = config_from_args(args, PROBE_FLAGS)  # first: a bad option costs no torch import (the API loads it)
     result = fitone.probe_batch(cfg, max_batch=args.max_batch, max_trials=args.max_trials, margin=args.margin,
                                 verify_steps=args.verify_steps, json_path=args.json_path, plot_path=args.plot_path,
                                 use_cache=args.use_cache)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from fitone.recipes import copy_recipe, list_recipes, load_recipe
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("recipes", help="list, show or copy the built-in recipes (model x GPU class)",
@@ -20,8 +22,6 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fitone.recipes import copy_recipe, list_recipes, load_recipe
-
     if args.action == "show":
         print(load_recipe(args.name).path.read_text(), end="")
     elif args.action == "copy":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 
+from fitone.cli import build_parser
 from fitone.cli.options import FLAGS, default_text
 
 REGENERATE = "python -m fitone.cli.reference > docs/options.md"
@@ -20,8 +21,6 @@ def _cell(text: str) -> str:
 
 
 def _command_parsers() -> dict[str, argparse.ArgumentParser]:
-    from fitone.cli import build_parser
-
     for action in build_parser()._actions:
         if isinstance(action, argparse._SubParsersAction):
             return dict(action.choices)

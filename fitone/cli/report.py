@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from fitone.report import write_report
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("report", help="pictures and a summary of a run from its metrics.jsonl",
@@ -15,7 +17,5 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fitone.report import write_report
-
     print(write_report(args.run_dir, args.out))
     return 0

@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 
+import fitone
 from fitone.cli.options import FLAGS, add_config_flags, add_recipe_arguments, config_from_args
 
 TRAIN_FLAGS = list(FLAGS)
@@ -21,9 +22,8 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args, TRAIN_FLAGS)  # first: a bad option costs no torch import
-    import fitone
-    from fitone.checkpoint import latest
+    cfg = config_from_args(args, TRAIN_FLAGS)  # first: a bad option costs no torch import (the API loads it)
+    from fitone.checkpoint import latest  # here: it imports torch, which `fitone train --help` does not need
 
     try:
         result = fitone.train(cfg)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fitone.loss import CHUNK_ELEMENTS
 from fitone.plan.shape import ModelShape
 
 # Backward of a recomputed layer holds about three quarters of one FF-sized gradient on top of the
@@ -138,6 +139,4 @@ def fused_loss_fixed_bytes(s: ModelShape, *, precision: str, fused_loss: str | N
     (measured: bench/results/2026-12-01-issue27/llama-3.1-8b/)."""
     if not fused_loss or fused_loss == "liger" or s.family == "t5" or s.encoder_decoder:
         return 0
-    from fitone.loss import CHUNK_ELEMENTS
-
     return 12 * CHUNK_ELEMENTS

@@ -162,13 +162,13 @@ class Plan:
     # A notebook's conveniences (README, examples/quickstart.ipynb): fitone's own callers draw through render,
     # which imports nothing of the plan at run time, so these two imports close no cycle
     def __str__(self) -> str:
-        from fitone.render import plan_text
+        from fitone.render import plan_text  # on call: render, the layer above, draws the plan
 
         return plan_text(self)
 
     def plot(self, path: str) -> str:
         """Stacked bars of where memory goes on the GPU and the host, with the limit drawn in (a PNG)."""
-        from fitone.render import plot_plan
+        from fitone.render import plot_plan  # on call: render, the layer above, draws the plan
 
         return str(plot_plan(self, path))
 

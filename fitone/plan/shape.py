@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from fitone.config import TrainConfig
+from fitone.models import build_model, require_model
+from fitone.packing import pack_refusal
 
 _LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3"}
 
@@ -46,8 +48,6 @@ def _first(config: Any, names: tuple[str, ...], default: Any = None) -> Any:
 def model_shape(cfg: TrainConfig, config: Any) -> tuple[ModelShape, list[str]]:
     """Build the model of `config` (the run's: fitone.run) on the meta device and read its sizes. Returns the
     shape and notes for the user."""
-    from fitone.models import require_model
-
     require_model(cfg.model)
     key = (cfg.model, cfg.from_scratch, config.to_json_string())
     if key not in _SHAPES:  # building even a meta model takes a second; a plan asks often
@@ -62,9 +62,6 @@ _SHAPES: dict[tuple[str, bool, str | None], tuple[ModelShape, tuple[str, ...]]] 
 
 
 def _model_shape(name: str, from_scratch: bool, config: Any) -> tuple[ModelShape, tuple[str, ...]]:
-    from fitone.models import build_model
-    from fitone.packing import pack_refusal
-
     notes: list[str] = []  # the config's own notes are the run's (fitone.run: Run.config_notes)
     from transformers.initialization import no_init_weights
 

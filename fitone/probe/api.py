@@ -17,6 +17,7 @@ from fitone.config import TrainConfig
 from fitone.errors import ConfigError
 from fitone.models import CAUSAL, check_seq_len
 from fitone.packing import require_exact_packing
+from fitone.plan import host_micro_batch_bound, preflight
 from fitone.probe.cache import capped_key, probe_key, read_cached, save_cached
 from fitone.probe.choice import UncheckedChoice, choose_batch
 from fitone.probe.results import ProbeResult, TrialResult
@@ -68,8 +69,6 @@ def probe_batch(
         if cfg.pack and run.task == CAUSAL:
             require_exact_packing(run.model_config)
         if cfg.preflight:  # the plan's refusals from the config alone (training has made them already)
-            from fitone.plan import preflight
-
             preflight(run)
         result = probe_on(run, runtime, **search, use_cache=use_cache, say=say, on_model=on_model, began=began)
         if json_path is not None:
@@ -211,8 +210,6 @@ def _search_ceiling(run: Run, max_batch: int | None, say: Say, for_training: boo
                           f"micro-batch has no limit to find (it would only stop at {DEFAULT_MAX_BATCH}, after minutes "
                           f"of CPU steps): {fix}")
     if run.settings.preflight:
-        from fitone.plan import host_micro_batch_bound
-
         bound = host_micro_batch_bound(run)
         if 0 < bound < max_batch:
             say(f"on the CPU: the search stops at micro-batch {bound}, the largest the plan fits in host RAM "

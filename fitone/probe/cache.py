@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+import fitone
 from fitone import loss as fused_loss
 from fitone import memory
 from fitone.config import TrainConfig
@@ -25,7 +26,7 @@ from fitone.models import CAUSAL
 from fitone.probe.results import ProbeResult
 from fitone.probe.trial import NAMED_SOURCES
 from fitone.run import Run
-from fitone.zero2 import step_mode
+from fitone.zero2 import installed_version, step_mode
 
 
 def cache_dir() -> Path:
@@ -42,9 +43,6 @@ def probe_key(run: Run) -> dict[str, Any]:
     and the accumulation (a probe runs every step as an optimizer step; DeepSpeed's GPU buffer for
     accumulating is allocated at init whatever the accumulation, stage_1_and_2.py line 659)."""
     import transformers
-
-    import fitone
-    from fitone.zero2 import installed_version
 
     cfg, config, device, precision = run.settings, run.model_config, run.device, run.precision
     values = {k: v for k, v in config.to_dict().items() if not k.startswith("_") and k != "transformers_version"}

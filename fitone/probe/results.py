@@ -99,7 +99,7 @@ class ProbeResult:
 
     def table(self) -> str:
         """Fixed-width table of the trials in the order tried, then the answer."""
-        from fitone.render import probe_table
+        from fitone.render import probe_table  # on call: render, the layer above, draws results (a convenience)
 
         return probe_table(self)
 
@@ -143,7 +143,7 @@ class ProbeResult:
     # -- plotting -------------------------------------------------------------------------------
     def plot(self, path: str | Path) -> Path:
         """PNG of peak GPU memory and samples/s against batch size, with OOMs, the cap and the choice."""
-        from fitone.render import plot_probe
+        from fitone.render import plot_probe  # on call: render, the layer above, draws results (a convenience)
 
         return plot_probe(self, path)
 

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import torch
 
+import fitone
 from fitone import memory
 from fitone.data import Dataset, load_dataset, worst_case_batch
 from fitone.ds_config import build_ds_config
@@ -26,6 +27,7 @@ from fitone.plan import unforeseen_oom
 from fitone.probe.results import TrialResult
 from fitone.random_init import build_random_model
 from fitone.run import Run
+from fitone.zero2 import installed_version
 from fitone.zero2.errors import is_gradient_computed_twice
 
 Say = Callable[[str], None]
@@ -195,9 +197,6 @@ class ProbeSession:
     # -- reporting and teardown -------------------------------------------------------------------
     def meta(self) -> dict[str, Any]:
         import transformers
-
-        import fitone
-        from fitone.zero2 import installed_version
 
         cfg = self.cfg
         lengths = ({"seq_len": cfg.seq_len} if self.task == CAUSAL
