@@ -62,6 +62,18 @@ def small_vocab_on_gpu(vocab_size: int | None, device: str) -> bool:
     return device == "cuda" and vocab_size is not None and vocab_size < FUSED_MIN_VOCAB_GPU
 
 
+def note(config: Any, backend: str | None, *, device: str, enabled: bool) -> str | None:
+    """The run's line on which loss it trains with, where that is not the model's own by the user's choice."""
+    if backend is not None:
+        return (f"loss: the LM head and cross-entropy fused ({DESCRIPTIONS[backend]}), so no [tokens, vocab] "
+                "logits are kept; --no-fused-loss for the model's own")
+    vocab = getattr(config, "vocab_size", None)
+    if enabled and getattr(config, "model_type", "") in FUSED_LOSS_TYPES and small_vocab_on_gpu(vocab, device):
+        return (f"loss: the model's own: a {vocab:,}-token vocabulary's logits are small, and on a GPU the fused "
+                f"loss is for vocabularies of {FUSED_MIN_VOCAB_GPU:,} tokens or more")
+    return None
+
+
 def backend_for(model_type: str, *, device: str, precision: str, encoder_decoder: bool = False,
                 router_loss: bool = False, vocab_size: int | None = None) -> str | None:
     """fused_loss_backend from the few facts it reads (the plan has a model's shape, not always its config)."""

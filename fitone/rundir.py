@@ -51,6 +51,16 @@ def free_disk_bytes(path: Path) -> int:
     return shutil.disk_usage(path).free
 
 
+def stop_save_short(out: Path, checkpoint_bytes: int) -> str | None:
+    """Why a checkpoint of `checkpoint_bytes` would not fit the disk under `out` now (None: it fits): a stop's
+    save (Ctrl-C, SIGTERM, the host guard) comes at any step, where --save-every's check counted only its own."""
+    free = free_disk_bytes(out)
+    if checkpoint_bytes <= free:
+        return None
+    return (f"one checkpoint of this model is {gib(checkpoint_bytes):.2f} GiB and {out} has {gib(free):.2f} GiB free "
+            "(a half-written checkpoint resumes nothing); free disk space, or give an --out on a larger disk")
+
+
 def check_checkpoint_room(out: Path, *, checkpoint_bytes: int, keep: int, save_every: int, overwrite: bool,
                           saves: int | None = None) -> None:
     """Refuse --save-every where the disk under --out cannot hold the checkpoints the run keeps plus the one it

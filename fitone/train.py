@@ -167,14 +167,9 @@ class Trainer:
                                                               config=run.model_config, tokenizer=tokenizer))
         for note in loaded.notes:  # an LM head added, a vision tower left out
             self._say(note)
-        if backend is not None:
-            self._say(f"loss: the LM head and cross-entropy fused ({fused_loss.DESCRIPTIONS[backend]}), so no "
-                      f"[tokens, vocab] logits are kept; --no-fused-loss for the model's own")
-        elif cfg.fused_loss and fused_loss.small_vocab_on_gpu(getattr(loaded.model.config, "vocab_size", None),
-                                                              run.device):
-            self._say(f"loss: the model's own: a {loaded.model.config.vocab_size:,}-token vocabulary's logits are "
-                      f"small, and on a GPU the fused loss is for vocabularies of "
-                      f"{fused_loss.FUSED_MIN_VOCAB_GPU:,} tokens or more")
+        note = fused_loss.note(loaded.model.config, backend, device=run.device, enabled=cfg.fused_loss)
+        if note:
+            self._say(note)
         return loaded
 
     def _total_steps(self) -> int:
@@ -304,7 +299,8 @@ class Trainer:
         if not self.policy.state_is_good:
             raise TrainingAborted(f"{why} at step {step}; not saved, because the last step's loss was NaN/inf"
                                   f"{self._last_good()}")
-        short = self.policy.save_short(checkpoint.save_host_bytes(self.engine)) or self._disk_short()
+        short = self.policy.save_short(checkpoint.save_host_bytes(self.engine)) or _disk_short(
+            self.engine, self.run, self.out, self.policy)
         if short:  # stop without the save: killed mid-save, the run would end the same, with less said
             raise TrainingAborted(f"{why} at step {step}; not saved, because {short}{self._last_good()}")
         self._say(f"{why}: saving a checkpoint at step {step}, then stopping (a second Ctrl-C quits at once)")
@@ -321,17 +317,6 @@ class Trainer:
         last = checkpoint.latest(self.out) if self.out else None
         return f"; the last good checkpoint is {last}: add --resume to continue from it" if last else ""
 
-    def _disk_short(self) -> str | None:
-        """Why this save would not fit the disk under --out (None: it fits): a stop's save (Ctrl-C, SIGTERM, the
-        host guard) comes at any step, where --save-every's check before training counted only its own."""
-        n_params = sum(p.numel() for p in self.engine.module.parameters())
-        need = checkpoint.checkpoint_bytes(n_params, self.run.precision, self.run.mode.states)
-        free = rundir.free_disk_bytes(self.out)
-        if not self.policy.agree(need > free)[0]:
-            return None
-        return (f"one checkpoint of this model is {gib(need):.2f} GiB and {self.out} has {gib(free):.2f} GiB free "
-                "(a half-written checkpoint resumes nothing); free disk space, or give an --out on a larger disk")
-
     def _save(self) -> Path | None:
         """This step's checkpoint (the one already written, if any); a save the host cannot hold is not started:
         the run stops, saying why."""
@@ -340,7 +325,8 @@ class Trainer:
         done = checkpoint.checkpoint_root(self.out) / checkpoint.tag_for(self.state["step"])
         if checkpoint.is_complete(done):  # e.g. the end of a run right after a periodic save
             return done
-        short = self.policy.save_short(checkpoint.save_host_bytes(self.engine)) or self._disk_short()
+        short = self.policy.save_short(checkpoint.save_host_bytes(self.engine)) or _disk_short(
+            self.engine, self.run, self.out, self.policy)
         if short:
             raise TrainingAborted(f"stopped at step {self.state['step']} instead of writing a checkpoint, because "
                                   f"{short}{self._last_good()}")
@@ -390,3 +376,9 @@ def _batch_lengths(batch: dict[str, torch.Tensor], task: str) -> str:
         return f"{n} examples x {width} input tokens and {batch['labels'].shape[1]} target tokens"
     return f"{n} examples x {width} tokens"
 
+
+def _disk_short(engine: Engine, run: Run, out: Path, policy: StopPolicy) -> str | None:
+    """Why a checkpoint save now would not fit the disk under --out (None: it fits), the same on every rank."""
+    numel = sum(p.numel() for p in engine.module.parameters())
+    why = rundir.stop_save_short(out, checkpoint.checkpoint_bytes(numel, run.precision, run.mode.states))
+    return why if policy.agree(why is not None)[0] else None

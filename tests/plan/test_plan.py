@@ -664,9 +664,9 @@ RUNS_2026_12_02B = Path(__file__).resolve().parents[2] / "bench" / "results" / "
     ("call3/llama-7b-loss/bench7b-llama-7b-fused.json", "llama-7b", 16, 2, True),
 ])
 def test_the_plan_is_within_five_percent_of_the_2026_12_02_runs(monkeypatch, record, model, batch, accum, fused):
-    """Qwen3-8B's and Mistral-7B's recipe runs, and llama-7b with its own loss and with Liger's (forced: on a GPU its 32,000-token
-    vocabulary keeps the model's own loss), on the H200 under a 23 GiB cap: the GPU step and init peaks
-    (allocated) and the host peaks the run recorded, each within 5% of the plan's."""
+    """Qwen3-8B's and Mistral-7B's recipe runs, and llama-7b with its own loss and with Liger's (forced: on
+    a GPU its 32,000-token vocabulary keeps the model's own loss), on the H200 under a 23 GiB cap: the GPU
+    step and init peaks (allocated) and the host peaks the run recorded, each within 5% of the plan's."""
     from fitone import loss
 
     measured = json.loads((RUNS_2026_12_02B / record).read_text())
