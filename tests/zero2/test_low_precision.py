@@ -155,3 +155,97 @@ def test_other_dtypes_and_roundings_are_refused():
         adamw_16bit(m16, m16.clone(), m16.clone(), master, step=1, rounding="up", **HYPER)
     with pytest.raises(ValueError, match="RandomBits"):
         adamw_16bit(m16, m16.clone(), m16.clone(), master, step=1, rounding=STOCHASTIC, **HYPER)
+
+
+# -- the fused step (fitone/zero2/csrc/adam16.cpp), what the pipelined update runs -------------------------------
+def _bf16_steps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many bf16 values apart two bf16 tensors are, element by element (patterns of one sign are ordered)."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+@pytest.mark.numeric
+@pytest.mark.parametrize("rounding", [NEAREST, STOCHASTIC])
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("extra", [dict(), dict(grad_scale=3.0), dict(adam_w_mode=False)])
+def test_the_fused_step_is_the_reference_step_to_its_rounding(rounding, grad_dtype, extra):
+    """Its fp32 operations are the reference's, one IEEE rounding each in the same order, with the same bits.
+    PyTorch's kernels behind the reference may round an operation differently (its division by a Python
+    scalar does, in rare cases), so a value may be the other bf16 neighbour, and that rarely."""
+    from fitone.zero2.low_precision import fused_adamw_16bit
+
+    n = 200_003  # not a multiple of the fused loop's block
+    master, exp_avg, exp_avg_sq, grad = _states(n, seed=4)
+    grad = grad.to(grad_dtype)
+    before = grad.clone()
+    hyper = dict(step=6, rounding=rounding, bits=RandomBits(2), group=1, offset=777, **HYPER, **extra)
+    want = [t.clone() for t in (master, exp_avg, exp_avg_sq)]
+    adamw_16bit(*want, grad.float(), **hyper)
+    fused_adamw_16bit(master, exp_avg, exp_avg_sq, grad, **hyper)
+    assert torch.equal(grad, before)  # read only, in its own dtype
+    for got, ref in zip((master, exp_avg, exp_avg_sq), want):
+        apart = _bf16_steps_apart(got, ref)
+        assert int(apart.max()) <= 1 and (apart == 0).float().mean() > 0.9999
+
+
+@pytest.mark.numeric
+def test_the_fused_steps_bits_do_not_depend_on_slicing_or_thread_count():
+    from fitone.zero2.low_precision import fused_adamw_16bit
+
+    threads, results = torch.get_num_threads(), []
+    try:
+        for n_threads, cuts in ((1, [0, 300_000]), (2, [0, 4095, 123_457, 300_000]), (2, [0, 300_000])):
+            torch.set_num_threads(n_threads)
+            master, exp_avg, exp_avg_sq, grad = _states(300_000, seed=5)
+            grad, bits = grad.bfloat16(), RandomBits(9)
+            for lo, hi in zip(cuts, cuts[1:]):
+                fused_adamw_16bit(master[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], grad[lo:hi], step=2, offset=lo,
+                                  rounding=STOCHASTIC, bits=bits, group=1, **HYPER)
+            results.append((master, exp_avg, exp_avg_sq))
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def test_the_fused_step_keeps_small_updates_stochastically_and_infinities_as_they_are():
+    """The reference's behaviour where it matters most: lr far below bf16's spacing moves weights only under
+    stochastic rounding, by the expected amount; an infinite or NaN gradient stays so."""
+    from fitone.zero2.low_precision import fused_adamw_16bit
+
+    n, steps, lr = 4096, 500, 1e-4
+    bits, finals = RandomBits(0), {}
+    for rounding in (NEAREST, STOCHASTIC):
+        master = torch.ones(n, dtype=torch.bfloat16)
+        exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
+        grad = torch.ones(n, dtype=torch.bfloat16)
+        for step in range(1, steps + 1):
+            fused_adamw_16bit(master, exp_avg, exp_avg_sq, grad, step=step, lr=lr, betas=(0.9, 0.999), eps=1e-8,
+                              weight_decay=0.0, rounding=rounding, bits=bits)
+        finals[rounding] = master.double()
+    assert torch.all(finals[NEAREST] == 1.0)
+    assert abs(finals[STOCHASTIC].mean().item() - (1 - steps * lr)) < 0.005
+    master = torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16)
+    exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
+    fused_adamw_16bit(master, exp_avg, exp_avg_sq, torch.tensor([math.inf, math.nan, 1.0]), step=1,
+                      rounding=STOCHASTIC, bits=bits, **HYPER)
+    assert exp_avg[0].isinf() and exp_avg_sq[0].isinf() and master[1].isnan() and master[2].isfinite()
+
+
+def test_the_fused_step_is_built_once_and_says_so_in_one_line(tmp_path):
+    """A fresh extensions folder: the first process builds the op and says so in one line; the next loads the
+    cached build and says nothing. (A real build: ~30 s on 2 cores.)"""
+    import os
+    import subprocess
+    import sys
+
+    code = "from fitone.zero2 import low_precision as lp; lp.fused_op(); print('loaded')"
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    said = []
+    for _ in range(2):
+        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr
+        said.append([line for line in run.stdout.splitlines() if line.startswith("fitone:")])
+        assert run.stdout.splitlines()[-1] == "loaded"
+    assert len(said[0]) == 1 and "building fitone's fused 16-bit Adam step once" in said[0][0]
+    assert str(tmp_path) in said[0][0] and said[1] == []
