@@ -12,9 +12,14 @@ resume is bit-exact, and how a group is cut into chunks does not change them. A 
 reads a contiguous run of the table (a copy, not a gather). Elements TABLE_SIZE apart share their bits within
 a step; each one's bits still change from step to step, which is what keeps its rounding unbiased.
 
-Every operation is one elementwise torch kernel with one IEEE rounding, into preallocated blocks (no addcdiv,
-lerp or alpha= forms, which a compiler may fuse into an FMA on one instruction set and not on another): the
-bits depend neither on the thread count nor on the CPU's SIMD width.
+Two implementations of one arithmetic:
+- `fused_adamw_16bit`, what the pipelined update runs: one pass per element in C++ (csrc/adam16.cpp, built
+  once per machine by `fused_op`), from the 16-bit gradient as it is, reading the bits from the table's int16
+  copy (`RandomBits.extended`). Compiled without FMA contraction: its bits depend neither on the thread count
+  nor on the CPU's SIMD level. Why it replaced the other: bench/results/2026-12-02-cpu-fused16/.
+- `adamw_16bit`, the reference the tests hold it to: each operation one elementwise torch kernel with one IEEE
+  rounding, into preallocated blocks (no addcdiv, lerp or alpha= forms, which a compiler may fuse into an FMA
+  on one instruction set and not on another).
 """
 
 from __future__ import annotations
@@ -29,9 +34,8 @@ import torch
 NEAREST, STOCHASTIC = "nearest", "stochastic"
 ROUNDINGS = (NEAREST, STOCHASTIC)
 ROUNDING_OF_STATES = {"bf16": STOCHASTIC, "bf16-nearest": NEAREST}  # --optimizer-states (fitone.config)
-# elements stepped per block: its seven fp32 and integer buffers (WORK_BYTES_PER_ELEMENT) stay in cache
+# elements the reference steps per block: its five fp32, two int32 and one bool buffers stay in cache
 BLOCK_ELEMENTS = 2**18
-WORK_BYTES_PER_ELEMENT = 5 * 4 + 2 * 4 + 1  # fp32 g, p, m, v, scratch; the bits, a pattern (int32); a mask
 TABLE_SIZE = 2**20 + 7  # stochastic rounding's table of random bits (int32): not a power of two, 4 MiB
 FUSED_BLOCK = 4096  # the fused step's inner loop (csrc/adam16.cpp BLOCK): its table repeats this many entries
 _MASK32 = 0xFFFFFFFF
@@ -99,7 +103,7 @@ class RandomBits:
 
 class Workspace:
     """The preallocated blocks one `adamw_16bit` call steps through (a fresh tensor per operation would cost
-    more in page faults than the arithmetic). One per thread; `bytes` is what the plan counts."""
+    more in page faults than the arithmetic). One per thread."""
 
     def __init__(self, block: int | None = None):
         self.block = block or BLOCK_ELEMENTS
