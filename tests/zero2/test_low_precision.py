@@ -103,24 +103,27 @@ def test_stochastic_rounding_keeps_updates_far_below_bf16_spacing_that_nearest_l
     assert finals[STOCHASTIC].std().item() > 0  # each element's own bits: not all rounded alike
 
 
-def test_the_bits_do_not_depend_on_slicing_block_size_or_thread_count():
+def _stepped_in_pieces(step, n: int, cuts: list[int], n_threads: int, **kwargs) -> tuple[torch.Tensor, ...]:
+    """One stochastic step of `step` (either implementation) over n elements, slice by slice at `cuts`, on
+    `n_threads` threads: the master's, m's and v's bf16 patterns."""
     threads = torch.get_num_threads()
-    results = []
+    master, exp_avg, exp_avg_sq, grad = _states(n, seed=2)
+    bits = RandomBits(9)
     try:
-        for n_threads, block, cut in ((1, None, None), (2, 1000, 12_345), (threads, 4096, 30_000)):
-            bits = RandomBits(9)
-            torch.set_num_threads(n_threads)
-            master, exp_avg, exp_avg_sq, grad = _states(40_000, seed=2)
-            pieces = [(0, 40_000)] if cut is None else [(0, cut), (cut, 40_000)]
-            for lo, hi in pieces:
-                adamw_16bit(master[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], grad[lo:hi], step=2, offset=lo,
-                            rounding=STOCHASTIC, bits=bits, group=1, work=Workspace(block), **HYPER)
-            results.append((master, exp_avg, exp_avg_sq))
+        torch.set_num_threads(n_threads)
+        for lo, hi in zip(cuts, cuts[1:]):
+            step(master[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], grad[lo:hi], step=2, offset=lo,
+                 rounding=STOCHASTIC, bits=bits, group=1, **HYPER, **kwargs)
     finally:
         torch.set_num_threads(threads)
-    for other in results[1:]:
-        for a, b in zip(results[0], other):
-            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    return tuple(t.view(torch.int16) for t in (master, exp_avg, exp_avg_sq))
+
+
+def test_the_bits_do_not_depend_on_slicing_block_size_or_thread_count():
+    runs = [_stepped_in_pieces(adamw_16bit, 40_000, cuts, n_threads, work=Workspace(block))
+            for n_threads, block, cuts in ((1, None, [0, 40_000]), (2, 1000, [0, 12_345, 40_000]),
+                                           (torch.get_num_threads(), 4096, [0, 30_000, 40_000]))]
+    assert all(torch.equal(a, b) for other in runs[1:] for a, b in zip(runs[0], other))
 
 
 def test_each_step_group_and_tensor_draws_other_bits_and_the_table_wraps():
@@ -191,21 +194,9 @@ def test_the_fused_step_is_the_reference_step_to_its_rounding(rounding, grad_dty
 def test_the_fused_steps_bits_do_not_depend_on_slicing_or_thread_count():
     from fitone.zero2.low_precision import fused_adamw_16bit
 
-    threads, results = torch.get_num_threads(), []
-    try:
-        for n_threads, cuts in ((1, [0, 300_000]), (2, [0, 4095, 123_457, 300_000]), (2, [0, 300_000])):
-            torch.set_num_threads(n_threads)
-            master, exp_avg, exp_avg_sq, grad = _states(300_000, seed=5)
-            grad, bits = grad.bfloat16(), RandomBits(9)
-            for lo, hi in zip(cuts, cuts[1:]):
-                fused_adamw_16bit(master[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], grad[lo:hi], step=2, offset=lo,
-                                  rounding=STOCHASTIC, bits=bits, group=1, **HYPER)
-            results.append((master, exp_avg, exp_avg_sq))
-    finally:
-        torch.set_num_threads(threads)
-    for other in results[1:]:
-        for a, b in zip(results[0], other):
-            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    runs = [_stepped_in_pieces(fused_adamw_16bit, 300_000, cuts, n_threads)  # cuts inside the op's blocks too
+            for n_threads, cuts in ((1, [0, 300_000]), (2, [0, 4095, 123_457, 300_000]), (2, [0, 300_000]))]
+    assert all(torch.equal(a, b) for other in runs[1:] for a, b in zip(runs[0], other))
 
 
 def test_the_fused_step_keeps_small_updates_stochastically_and_infinities_as_they_are():
