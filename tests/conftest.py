@@ -242,6 +242,7 @@ SLOW: dict[str, tuple[str, ...]] = {
     "test_run_recipes.py": ("test_the_dry_run_trains_each_recipe_in_a_child_and_records_it",),
     "test_runtime.py": ("test_a_run_destroys_the_process_group_it_made_and_keeps_its_caller_s",
                         "test_a_taken_master_port_from_the_user_is_one_line_from_the_cli"),
+    "test_low_precision.py": ("test_the_fused_step_is_built_once_and_says_so_in_one_line",),  # a real build
     "test_layout.py": ("test_a_checkpoint_resumes_across_the_one_group_and_the_grouped_layouts",
                       "test_the_pipelined_update_on_the_lean_layout_follows_deepspeeds_step_with_accumulation",
                       "test_the_lean_layout_trains_bit_for_bit_as_deepspeeds_layout"),

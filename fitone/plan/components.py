@@ -375,14 +375,12 @@ def _lean_host_components(st: _Setup, part: int) -> list[Component]:
         Component("Adam m and v", "optimizer", 2 * m * part,
                   f"{2 * m} B/param, DeepSpeedCPUAdam's states" + ("" if m == 4 else " in bf16")),
     ]
-    if w < 4:
+    if w < 4 and m == 4:  # the fused 16-bit step reads the 16-bit gradients as they are
         comps.append(Component("fp32 gradient chunk", "buffers", 4 * min(part, layout.WIDEN_ELEMENTS),
                                "the gradients widened for Adam a slice at a time"))
-    if m < 4:  # low_precision.adamw_16bit's blocks, and stochastic rounding's table of random bits
-        rounding = low_precision.ROUNDING_OF_STATES[st.optimizer_states]
-        comps.append(Component("16-bit step's blocks", "buffers", low_precision.host_bytes(rounding),
-                               "one block of fp32 master, moments and gradient"
-                               + (", the random bits' table" if rounding == low_precision.STOCHASTIC else "")))
+    if m < 4 and low_precision.ROUNDING_OF_STATES[st.optimizer_states] == low_precision.STOCHASTIC:
+        comps.append(Component("random bits' table", "buffers", low_precision.host_bytes(low_precision.STOCHASTIC),
+                               "stochastic rounding's, read by the fused 16-bit step"))
     return comps
 
 

@@ -84,7 +84,8 @@ class LeanHost:
 
     - The gradients (`gradients`, one flat buffer per group) are the 16-bit values DeepSpeed would have
       widened to fp32 on the GPU before the copy (`grad16.float()`), so they say the same numbers in half the
-      bytes. Adam reads them through `fp32_gradient`, `widen_elements` at a time widened into one fp32 scratch.
+      bytes. Adam reads them through `fp32_gradient`, `widen_elements` at a time widened into one fp32 scratch
+      (with bf16 master weights, none: the fused 16-bit step reads them as they are).
     - Between micro-batches the 16-bit sum so far lives in the parameter's slot of those buffers (DeepSpeed
       keeps a host buffer of its own per parameter, and creates one only where none is registered), and is
       overwritten by the whole step's gradient at the boundary, as DeepSpeed's boundary copy overwrites it.
@@ -155,6 +156,9 @@ class LeanHost:
         return buffers
 
     def _upcast_scratch(self) -> torch.Tensor | None:
+        # bf16 master weights (--optimizer-states bf16): the fused 16-bit step reads the 16-bit gradients as they are
+        if self.opt.single_partition_of_fp32_groups[0].dtype == torch.bfloat16:
+            return None
         if all(g.dtype == torch.float32 for g in self.gradients):
             return None
         largest = max(g.numel() for g in self.gradients)
@@ -281,6 +285,8 @@ class LeanHost:
         grads = self.gradients[i][lo:hi]
         if grads.dtype == torch.float32:
             return grads
+        if self._upcast is None:
+            raise ValueError("16-bit optimizer states hold no fp32 scratch: their step reads `gradients` as they are")
         if hi - lo > self._upcast.numel():
             raise ValueError(f"{hi - lo} elements asked for at once; the scratch holds {self._upcast.numel()}")
         return self._upcast[:hi - lo].copy_(grads)

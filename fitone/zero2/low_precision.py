@@ -12,24 +12,32 @@ resume is bit-exact, and how a group is cut into chunks does not change them. A 
 reads a contiguous run of the table (a copy, not a gather). Elements TABLE_SIZE apart share their bits within
 a step; each one's bits still change from step to step, which is what keeps its rounding unbiased.
 
-Every operation is one elementwise torch kernel with one IEEE rounding, into preallocated blocks (no addcdiv,
-lerp or alpha= forms, which a compiler may fuse into an FMA on one instruction set and not on another): the
-bits depend neither on the thread count nor on the CPU's SIMD width.
+Two implementations of one arithmetic:
+- `fused_adamw_16bit`, what the pipelined update runs: one pass per element in C++ (csrc/adam16.cpp, built
+  once per machine by `fused_op`), from the 16-bit gradient as it is, reading the bits from the table's int16
+  copy (`RandomBits.extended`). Compiled without FMA contraction: its bits depend neither on the thread count
+  nor on the CPU's SIMD level. Why it replaced the other: bench/results/2026-12-02-cpu-fused16/.
+- `adamw_16bit`, the reference the tests hold it to: each operation one elementwise torch kernel with one IEEE
+  rounding, into preallocated blocks (no addcdiv, lerp or alpha= forms, which a compiler may fuse into an FMA
+  on one instruction set and not on another).
 """
 
 from __future__ import annotations
 
 import math
+import threading
+from pathlib import Path
+from typing import Any
 
 import torch
 
 NEAREST, STOCHASTIC = "nearest", "stochastic"
 ROUNDINGS = (NEAREST, STOCHASTIC)
 ROUNDING_OF_STATES = {"bf16": STOCHASTIC, "bf16-nearest": NEAREST}  # --optimizer-states (fitone.config)
-# elements stepped per block: its seven fp32 and integer buffers (WORK_BYTES_PER_ELEMENT) stay in cache
+# elements the reference steps per block: its five fp32, two int32 and one bool buffers stay in cache
 BLOCK_ELEMENTS = 2**18
-WORK_BYTES_PER_ELEMENT = 5 * 4 + 2 * 4 + 1  # fp32 g, p, m, v, scratch; the bits, a pattern (int32); a mask
 TABLE_SIZE = 2**20 + 7  # stochastic rounding's table of random bits (int32): not a power of two, 4 MiB
+FUSED_BLOCK = 4096  # the fused step's inner loop (csrc/adam16.cpp BLOCK): its table repeats this many entries
 _MASK32 = 0xFFFFFFFF
 _LOW16 = 0xFFFF
 _EXPONENT = 0x7F800000  # an fp32 pattern whose magnitude reaches this is infinite or NaN
@@ -58,8 +66,25 @@ class RandomBits:
 
     def __init__(self, seed: int):
         self.seed = seed
-        table = torch.arange(TABLE_SIZE, dtype=torch.int64).bitwise_xor_(_hash_of(seed))
-        self.table = hash32(hash32(table)).bitwise_and_(_LOW16).to(torch.int32)
+        self._table: torch.Tensor | None = None
+        self._extended: torch.Tensor | None = None
+
+    @property
+    def table(self) -> torch.Tensor:
+        """The bits as int32 (what `fill` copies from; made on first use)."""
+        if self._table is None:
+            table = torch.arange(TABLE_SIZE, dtype=torch.int64).bitwise_xor_(_hash_of(self.seed))
+            self._table = hash32(hash32(table)).bitwise_and_(_LOW16).to(torch.int32)
+        return self._table
+
+    @property
+    def extended(self) -> torch.Tensor:
+        """The fused step's copy (2 B an entry): the table in int16, then its first FUSED_BLOCK entries again, so
+        that a block of the fused loop reads one contiguous run across the table's end."""
+        if self._extended is None:
+            table = self._table if self._table is not None else RandomBits(self.seed).table
+            self._extended = torch.cat([table, table[:FUSED_BLOCK]]).to(torch.int16)  # wraps into int16 exactly
+        return self._extended
 
     def offset(self, step: int, group: int, tensor: int) -> int:
         """Where element 0 of `group`'s `tensor` (0 master, 1 and 2 the moments) reads the table at `step`."""
@@ -78,7 +103,7 @@ class RandomBits:
 
 class Workspace:
     """The preallocated blocks one `adamw_16bit` call steps through (a fresh tensor per operation would cost
-    more in page faults than the arithmetic). One per thread; `bytes` is what the plan counts."""
+    more in page faults than the arithmetic). One per thread."""
 
     def __init__(self, block: int | None = None):
         self.block = block or BLOCK_ELEMENTS
@@ -92,8 +117,9 @@ class Workspace:
 
 
 def host_bytes(rounding: str) -> int:
-    """What the 16-bit step holds beside the states: one Workspace, and the random table when stochastic."""
-    return BLOCK_ELEMENTS * WORK_BYTES_PER_ELEMENT + (4 * TABLE_SIZE if rounding == STOCHASTIC else 0)
+    """What the pipelined update's fused step holds beside the states: stochastic rounding's 16-bit table
+    (`RandomBits.extended`); nothing to the nearest. (The reference `adamw_16bit` holds a Workspace too.)"""
+    return 2 * (TABLE_SIZE + FUSED_BLOCK) if rounding == STOCHASTIC else 0
 
 
 def round_to_bf16(x: torch.Tensor, out: torch.Tensor, bits: torch.Tensor | None, work: Workspace) -> None:
@@ -111,6 +137,17 @@ def round_to_bf16(x: torch.Tensor, out: torch.Tensor, bits: torch.Tensor | None,
     out.copy_(x)
 
 
+def _check(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, rounding: str,
+           bits: RandomBits | None) -> None:
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {ROUNDINGS}, not {rounding!r}")
+    if rounding == STOCHASTIC and bits is None:
+        raise ValueError("stochastic rounding needs its RandomBits")
+    for t in (master, exp_avg, exp_avg_sq):
+        if t.dtype != torch.bfloat16:
+            raise ValueError(f"the 16-bit step holds bf16 master weights and moments, not {t.dtype}")
+
+
 def adamw_16bit(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor, *,
                 step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
                 grad_scale: float | None = None, adam_w_mode: bool = True, bias_correction: bool = True,
@@ -125,13 +162,7 @@ def adamw_16bit(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.T
     then p, m and v rounded to bf16: to the nearest, or (STOCHASTIC) by `bits`' table (a RandomBits; keyed by
     step, group and element index: the result does not depend on how a group is cut into slices). `work`:
     the blocks to step through (one is made for this call without it)."""
-    if rounding not in ROUNDINGS:
-        raise ValueError(f"rounding must be one of {ROUNDINGS}, not {rounding!r}")
-    if rounding == STOCHASTIC and bits is None:
-        raise ValueError("stochastic rounding needs its RandomBits")
-    for t in (master, exp_avg, exp_avg_sq):
-        if t.dtype != torch.bfloat16:
-            raise ValueError(f"the 16-bit step holds bf16 master weights and moments, not {t.dtype}")
+    _check(master, exp_avg, exp_avg_sq, rounding, bits)
     beta1, beta2 = betas
     bc1 = 1 - beta1 ** step if bias_correction else 1.0
     bc2_sqrt = math.sqrt(1 - beta2 ** step) if bias_correction else 1.0
@@ -159,3 +190,48 @@ def adamw_16bit(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.T
         for value, out, which in ((p, master, 0), (m, exp_avg, 1), (v, exp_avg_sq, 2)):
             drawn = None if offsets is None else bits.fill(work.bits[:k], offsets[which], offset + lo)
             round_to_bf16(value, out[lo:hi], drawn, work)
+
+
+# -- the fused step -------------------------------------------------------------------------------------------
+FUSED_OP = "fitone_adam16"  # built once by torch.utils.cpp_extension into TORCH_EXTENSIONS_DIR/fitone_adam16
+_SOURCE = Path(__file__).parent / "csrc" / "adam16.cpp"
+# no FMA contraction: each operation rounds once, as the reference's, whatever SIMD level the compiler targets
+# (-fno-math-errno lets sqrt vectorize; it changes no result)
+_CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno", "-fopenmp"]
+_NO_TABLE = torch.empty(0, dtype=torch.int16)
+_loaded: Any = None
+_loading = threading.Lock()
+
+
+def fused_op() -> Any:
+    """The fused step's C++ module, built on the first call of this machine (one line says so) and cached."""
+    global _loaded
+    with _loading:
+        if _loaded is None:
+            from torch.utils.cpp_extension import load
+
+            from fitone import extensions
+
+            extensions.prepare_build(FUSED_OP)
+            _loaded = load(name=FUSED_OP, sources=[str(_SOURCE)], extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
+                           verbose=False)
+    return _loaded
+
+
+def fused_adamw_16bit(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
+                      *, step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+                      grad_scale: float | None = None, adam_w_mode: bool = True, bias_correction: bool = True,
+                      rounding: str = NEAREST, bits: RandomBits | None = None, group: int = 0,
+                      offset: int = 0) -> None:
+    """`adamw_16bit`'s step in one pass (fitone/zero2/csrc/adam16.cpp), from a bf16, fp16 or fp32 `grad`
+    read as it is: the same fp32 operations in the same order and the same random bits, without the blocks
+    (the GIL released meanwhile). All four tensors contiguous."""
+    _check(master, exp_avg, exp_avg_sq, rounding, bits)
+    beta1, beta2 = betas
+    bc1 = 1 - beta1 ** step if bias_correction else 1.0
+    bc2_sqrt = math.sqrt(1 - beta2 ** step) if bias_correction else 1.0
+    tables = [bits.offset(step, group, k) for k in range(3)] if rounding == STOCHASTIC else [0, 0, 0]
+    fused_op().adamw_16bit(master, exp_avg, exp_avg_sq, grad, offset, grad_scale or 1.0, grad_scale is not None,
+                           1 - lr * weight_decay, weight_decay, adam_w_mode, weight_decay != 0, beta1, 1 - beta1,
+                           beta2, 1 - beta2, bc2_sqrt, eps, lr / bc1, rounding == STOCHASTIC,
+                           bits.extended if rounding == STOCHASTIC else _NO_TABLE, *tables)

@@ -189,8 +189,9 @@ class PipelinedUpdate(OverlappedStep):
     `host`, on DeepSpeed's own layout, its fp32 gradients are read and its own step runs first.
 
     `states` 'bf16' or 'bf16-nearest' (on `host` only; DeepSpeed built with bf16_master_weights_and_grads and
-    bf16_optimizer_states): every step, the first ones too, is fitone.zero2.low_precision's on the bf16 master
-    and moments, rounded stochastically (bits keyed by `rounding_seed`) or to the nearest.
+    bf16_optimizer_states): every step, the first ones too, is fitone.zero2.low_precision's fused step on the
+    bf16 master and moments, from the 16-bit gradients as they are (a chunk at a time, none widened), rounded
+    stochastically (bits keyed by `rounding_seed`) or to the nearest.
 
     One process only: with several ranks the updated partitions would have to be all-gathered before any
     forward could use them. `model` is the engine's module (forward pre-hooks go on its submodules).
@@ -207,7 +208,8 @@ class PipelinedUpdate(OverlappedStep):
             raise ValueError("the pipelined update runs on one GPU (one rank)")
         self.rounding = low_precision.ROUNDING_OF_STATES.get(states)  # None: fp32 states, fused AdamW
         self._bits = low_precision.RandomBits(rounding_seed) if self.rounding == low_precision.STOCHASTIC else None
-        self._work = low_precision.Workspace() if self.rounding is not None else None  # the update thread's
+        if self.rounding is not None:
+            low_precision.fused_op()  # built here, on the first run of this machine, not in the update thread
         bf16_master = optimizer.single_partition_of_fp32_groups[0].dtype == torch.bfloat16
         if (self.rounding is not None) != bf16_master or (bf16_master and host is None):
             self.close()
@@ -322,6 +324,8 @@ class PipelinedUpdate(OverlappedStep):
         self.pending = self._pool.submit(self._cpu_update, kernel, grads, scale, hyper, steps, done)
 
     def _gradient(self, grads: list[torch.Tensor] | None, i: int, lo: int, hi: int) -> torch.Tensor:
+        if self.rounding is not None:  # the fused 16-bit step reads the 16-bit gradient as it is
+            return self.host.gradients[i][lo:hi]
         return self.host.fp32_gradient(i, lo, hi) if grads is None else grads[i][lo:hi]
 
     def _deepspeeds_adam(self, i: int, grad: torch.Tensor, norm: torch.Tensor | None, hyper: dict[str, Any],
@@ -341,16 +345,17 @@ class PipelinedUpdate(OverlappedStep):
 
     def _adam_16bit(self, i: int, grad: torch.Tensor, scale: float | None, hyper: dict[str, Any], step: int,
                     lo: int, hi: int) -> None:
-        """AdamW on elements [lo, hi) of group i's bf16 master and moments (fitone.zero2.low_precision)."""
+        """AdamW on elements [lo, hi) of group i's bf16 master and moments from their 16-bit gradient, in one
+        fused pass (fitone.zero2.low_precision.fused_adamw_16bit)."""
         adam = self.opt.optimizer
         master = self.opt.single_partition_of_fp32_groups[i]
         state = adam.state[master]
-        low_precision.adamw_16bit(master.data[lo:hi], state["exp_avg"][lo:hi], state["exp_avg_sq"][lo:hi], grad,
-                                  step=step, lr=hyper["lr"], betas=hyper["betas"], eps=hyper["eps"],
-                                  weight_decay=hyper["weight_decay"], grad_scale=scale,
-                                  adam_w_mode=getattr(adam, "adam_w_mode", True),
-                                  bias_correction=hyper["bias_correction"], rounding=self.rounding,
-                                  bits=self._bits, group=i, offset=lo, work=self._work)
+        low_precision.fused_adamw_16bit(master.data[lo:hi], state["exp_avg"][lo:hi], state["exp_avg_sq"][lo:hi],
+                                        grad, step=step, lr=hyper["lr"], betas=hyper["betas"], eps=hyper["eps"],
+                                        weight_decay=hyper["weight_decay"], grad_scale=scale,
+                                        adam_w_mode=getattr(adam, "adam_w_mode", True),
+                                        bias_correction=hyper["bias_correction"], rounding=self.rounding,
+                                        bits=self._bits, group=i, offset=lo)
 
     def _cpu_update(self, kernel: Any, grads: list[torch.Tensor] | None, scale: Any, hyper: list[dict[str, Any]],
                     steps: list[int], backward_done: Any) -> dict[str, float]:

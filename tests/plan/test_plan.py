@@ -600,28 +600,30 @@ def test_the_plan_reads_counts_in_words_and_names_no_deepspeed_source_lines(plan
 
 # -- --optimizer-states bf16 ----------------------------------------------------------------------------
 def test_bf16_optimizer_states_hold_eight_bytes_a_parameter_on_the_host():
-    """bf16 master 2 + bf16 gradients 2 + bf16 moments 4 B/param on the lean layout, the one fp32 slice the
-    gradients are widened into, and the 16-bit step's preallocated block and stochastic rounding's table of
-    random bits (low_precision.host_bytes, what a Workspace and a RandomBits allocate); the GPU's landing
-    chunks are bf16; a
+    """bf16 master 2 + bf16 gradients 2 + bf16 moments 4 B/param on the lean layout, no fp32 slice (the fused
+    16-bit step reads the 16-bit gradients as they are), and stochastic rounding's 16-bit table of random bits
+    (low_precision.host_bytes, what RandomBits.extended allocates); the GPU's landing chunks are bf16; a
     checkpoint holds the 16-bit weights and the three bf16 optimizer buffers less the gradients (8 B/param)."""
     from fitone import checkpoint
     from fitone.zero2.layout import WIDEN_ELEMENTS
-    from fitone.zero2.low_precision import STOCHASTIC, RandomBits, Workspace, host_bytes
+    from fitone.zero2.low_precision import NEAREST, STOCHASTIC, RandomBits, host_bytes
     from fitone.zero2.overlap import UPLOAD_CHUNK
 
     exact = plan(**{**T5_3B, "precision": "bf16"}, gpu_mem="24GiB", host_mem="256GiB")
     small = plan(**{**T5_3B, "precision": "bf16"}, optimizer_states="bf16", gpu_mem="24GiB", host_mem="256GiB")
+    nearest = plan(**{**T5_3B, "precision": "bf16"}, optimizer_states="bf16-nearest", gpu_mem="24GiB",
+                   host_mem="256GiB")
     n = small.n_params
     assert small.optimizer_states == "bf16" and small.to_dict()["optimizer_states"] == "bf16"
     assert part(small, "host", "bf16 master weights") == part(small, "host", "gradients") == 2 * n
     assert part(small, "host", "Adam m and v") == 4 * n
-    work, bits = Workspace(), RandomBits(0)
-    held = sum(t.numel() * t.element_size() for t in (*vars(work).values(), bits.table) if torch.is_tensor(t))
-    assert part(small, "host", "16-bit step's blocks") == host_bytes(STOCHASTIC) == held
+    held = RandomBits(0).extended
+    assert part(small, "host", "random bits' table") == host_bytes(STOCHASTIC) == held.numel() * held.element_size()
+    assert host_bytes(NEAREST) == 0 and not any("random bits" in c.name for c in nearest.host)
+    assert not any(c.name == "fp32 gradient chunk" for c in small.host + nearest.host)
     extra = host_bytes(STOCHASTIC)
-    assert small.host_total == 8 * n + 4 * WIDEN_ELEMENTS + extra + 2 * GIB
-    assert exact.host_total - small.host_total == 6 * n - extra
+    assert small.host_total == 8 * n + extra + 2 * GIB and nearest.host_total == 8 * n + 2 * GIB
+    assert exact.host_total - small.host_total == 6 * n + 4 * WIDEN_ELEMENTS - extra
     assert part(small, "gpu", "pipelined-update landing") == 2 * 2 * UPLOAD_CHUNK
     assert part(exact, "gpu", "pipelined-update landing") == 2 * 4 * UPLOAD_CHUNK
     assert small.checkpoint_bytes == checkpoint.checkpoint_bytes(n, "bf16", "bf16") == 8 * n + 4 * 2**20

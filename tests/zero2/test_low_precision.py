@@ -103,24 +103,27 @@ def test_stochastic_rounding_keeps_updates_far_below_bf16_spacing_that_nearest_l
     assert finals[STOCHASTIC].std().item() > 0  # each element's own bits: not all rounded alike
 
 
-def test_the_bits_do_not_depend_on_slicing_block_size_or_thread_count():
+def _stepped_in_pieces(step, n: int, cuts: list[int], n_threads: int, **kwargs) -> tuple[torch.Tensor, ...]:
+    """One stochastic step of `step` (either implementation) over n elements, slice by slice at `cuts`, on
+    `n_threads` threads: the master's, m's and v's bf16 patterns."""
     threads = torch.get_num_threads()
-    results = []
+    master, exp_avg, exp_avg_sq, grad = _states(n, seed=2)
+    bits = RandomBits(9)
     try:
-        for n_threads, block, cut in ((1, None, None), (2, 1000, 12_345), (threads, 4096, 30_000)):
-            bits = RandomBits(9)
-            torch.set_num_threads(n_threads)
-            master, exp_avg, exp_avg_sq, grad = _states(40_000, seed=2)
-            pieces = [(0, 40_000)] if cut is None else [(0, cut), (cut, 40_000)]
-            for lo, hi in pieces:
-                adamw_16bit(master[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], grad[lo:hi], step=2, offset=lo,
-                            rounding=STOCHASTIC, bits=bits, group=1, work=Workspace(block), **HYPER)
-            results.append((master, exp_avg, exp_avg_sq))
+        torch.set_num_threads(n_threads)
+        for lo, hi in zip(cuts, cuts[1:]):
+            step(master[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], grad[lo:hi], step=2, offset=lo,
+                 rounding=STOCHASTIC, bits=bits, group=1, **HYPER, **kwargs)
     finally:
         torch.set_num_threads(threads)
-    for other in results[1:]:
-        for a, b in zip(results[0], other):
-            assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    return tuple(t.view(torch.int16) for t in (master, exp_avg, exp_avg_sq))
+
+
+def test_the_bits_do_not_depend_on_slicing_block_size_or_thread_count():
+    runs = [_stepped_in_pieces(adamw_16bit, 40_000, cuts, n_threads, work=Workspace(block))
+            for n_threads, block, cuts in ((1, None, [0, 40_000]), (2, 1000, [0, 12_345, 40_000]),
+                                           (torch.get_num_threads(), 4096, [0, 30_000, 40_000]))]
+    assert all(torch.equal(a, b) for other in runs[1:] for a, b in zip(runs[0], other))
 
 
 def test_each_step_group_and_tensor_draws_other_bits_and_the_table_wraps():
@@ -155,3 +158,85 @@ def test_other_dtypes_and_roundings_are_refused():
         adamw_16bit(m16, m16.clone(), m16.clone(), master, step=1, rounding="up", **HYPER)
     with pytest.raises(ValueError, match="RandomBits"):
         adamw_16bit(m16, m16.clone(), m16.clone(), master, step=1, rounding=STOCHASTIC, **HYPER)
+
+
+# -- the fused step (fitone/zero2/csrc/adam16.cpp), what the pipelined update runs -------------------------------
+def _bf16_steps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """How many bf16 values apart two bf16 tensors are, element by element (patterns of one sign are ordered)."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+@pytest.mark.numeric
+@pytest.mark.parametrize("rounding", [NEAREST, STOCHASTIC])
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("extra", [dict(), dict(grad_scale=3.0), dict(adam_w_mode=False)])
+def test_the_fused_step_is_the_reference_step_to_its_rounding(rounding, grad_dtype, extra):
+    """Its fp32 operations are the reference's, one IEEE rounding each in the same order, with the same bits.
+    PyTorch's kernels behind the reference may round an operation differently (its division by a Python
+    scalar does, in rare cases), so a value may be the other bf16 neighbour, and that rarely."""
+    from fitone.zero2.low_precision import fused_adamw_16bit
+
+    n = 200_003  # not a multiple of the fused loop's block
+    master, exp_avg, exp_avg_sq, grad = _states(n, seed=4)
+    grad = grad.to(grad_dtype)
+    before = grad.clone()
+    hyper = dict(step=6, rounding=rounding, bits=RandomBits(2), group=1, offset=777, **HYPER, **extra)
+    want = [t.clone() for t in (master, exp_avg, exp_avg_sq)]
+    adamw_16bit(*want, grad.float(), **hyper)
+    fused_adamw_16bit(master, exp_avg, exp_avg_sq, grad, **hyper)
+    assert torch.equal(grad, before)  # read only, in its own dtype
+    for got, ref in zip((master, exp_avg, exp_avg_sq), want):
+        apart = _bf16_steps_apart(got, ref)
+        assert int(apart.max()) <= 1 and (apart == 0).float().mean() > 0.9999
+
+
+@pytest.mark.numeric
+def test_the_fused_steps_bits_do_not_depend_on_slicing_or_thread_count():
+    from fitone.zero2.low_precision import fused_adamw_16bit
+
+    runs = [_stepped_in_pieces(fused_adamw_16bit, 300_000, cuts, n_threads)  # cuts inside the op's blocks too
+            for n_threads, cuts in ((1, [0, 300_000]), (2, [0, 4095, 123_457, 300_000]), (2, [0, 300_000]))]
+    assert all(torch.equal(a, b) for other in runs[1:] for a, b in zip(runs[0], other))
+
+
+def test_the_fused_step_keeps_small_updates_stochastically_and_infinities_as_they_are():
+    """The reference's behaviour where it matters most: lr far below bf16's spacing moves weights only under
+    stochastic rounding, by the expected amount; an infinite or NaN gradient stays so."""
+    from fitone.zero2.low_precision import fused_adamw_16bit
+
+    n, steps, lr = 4096, 500, 1e-4
+    bits, finals = RandomBits(0), {}
+    for rounding in (NEAREST, STOCHASTIC):
+        master = torch.ones(n, dtype=torch.bfloat16)
+        exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
+        grad = torch.ones(n, dtype=torch.bfloat16)
+        for step in range(1, steps + 1):
+            fused_adamw_16bit(master, exp_avg, exp_avg_sq, grad, step=step, lr=lr, betas=(0.9, 0.999), eps=1e-8,
+                              weight_decay=0.0, rounding=rounding, bits=bits)
+        finals[rounding] = master.double()
+    assert torch.all(finals[NEAREST] == 1.0)
+    assert abs(finals[STOCHASTIC].mean().item() - (1 - steps * lr)) < 0.005
+    master = torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16)
+    exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
+    fused_adamw_16bit(master, exp_avg, exp_avg_sq, torch.tensor([math.inf, math.nan, 1.0]), step=1,
+                      rounding=STOCHASTIC, bits=bits, **HYPER)
+    assert exp_avg[0].isinf() and exp_avg_sq[0].isinf() and master[1].isnan() and master[2].isfinite()
+
+
+def test_the_fused_step_is_built_once_and_says_so_in_one_line(tmp_path):
+    """A fresh extensions folder: the first process builds the op and says so in one line; the next loads the
+    cached build and says nothing. (A real build: ~30 s on 2 cores.)"""
+    import os
+    import subprocess
+    import sys
+
+    code = "from fitone.zero2 import low_precision as lp; lp.fused_op(); print('loaded')"
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    said = []
+    for _ in range(2):
+        run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr
+        said.append([line for line in run.stdout.splitlines() if line.startswith("fitone:")])
+        assert run.stdout.splitlines()[-1] == "loaded"
+    assert len(said[0]) == 1 and "building fitone's fused 16-bit Adam step once" in said[0][0]
+    assert str(tmp_path) in said[0][0] and said[1] == []

@@ -1,0 +1,198 @@
+// fitone's fused AdamW step on 16-bit optimizer states (fitone/zero2/low_precision.py says the arithmetic).
+//
+// One pass per element: the bf16 master, bf16 moments and the gradient (bf16, fp16 or fp32) are read once,
+// stepped in fp32 and written back rounded to bf16, to the nearest or stochastically. Every operation is one
+// IEEE fp32 operation in the order low_precision.adamw_16bit (the reference) writes it; the build passes
+// -ffp-contract=off, so no compiler fuses a multiply and an add into an FMA on one instruction set and not on
+// another: the bits depend neither on the SIMD level nor on the thread count (elementwise, no reductions).
+//
+// Stochastic rounding's bits are the reference's table entries (RandomBits.table), read from its 16-bit copy
+// with the first BLOCK entries repeated at the end: entry (global index + offset) mod TABLE_SIZE, and a block
+// of consecutive elements reads one contiguous run of it (a load, not a gather: the loop vectorizes).
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t TABLE_SIZE = (int64_t(1) << 20) + 7;  // low_precision.TABLE_SIZE
+constexpr int64_t BLOCK = 4096;                         // elements per inner loop (j wraps at most once)
+
+inline float widen(uint16_t h)
+{
+    uint32_t u = uint32_t(h) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+inline float widen(_Float16 h) { return static_cast<float>(h); }  // exact, as every fp16 number is an fp32 one
+inline float widen(float f) { return f; }
+
+inline uint32_t pattern(float f)
+{
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    return u;
+}
+
+// round to the nearest bf16, ties to even (c10::BFloat16's rounding); a NaN stays a NaN
+inline uint16_t nearest(uint32_t u)
+{
+    const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    return uint16_t((u & 0x7FFFFFFFu) > 0x7F800000u ? (u >> 16) | 0x0040u : rounded);
+}
+
+// the 16 random bits added below the bf16 part of an fp32 pattern; none for an infinity or NaN
+inline uint16_t stochastic(uint32_t u, uint32_t bits)
+{
+    bits = (u & 0x7FFFFFFFu) >= 0x7F800000u ? 0u : bits;
+    return nearest((u + bits) & 0xFFFF0000u);  // exact: the low half is zero
+}
+
+struct Hyper {
+    float scale;       // the gradient is divided by it (when has_scale)
+    float decay;       // AdamW: p * (1 - lr * wd)
+    float wd;          // Adam (not W): g + p * wd
+    float beta1, one_minus_beta1, beta2, one_minus_beta2;
+    float bc2_sqrt, eps, step_size;
+    const uint16_t* bits;  // stochastic rounding's, TABLE_SIZE + BLOCK of them
+    int64_t offset;    // the global index of element 0
+    int64_t table[3];  // the table offsets of the master, m and v at this step
+};
+
+enum Decay { NO_DECAY, ADAMW_DECAY, ADAM_DECAY };
+
+// one block of elements [lo, hi): the choices are template arguments, so the loop has no branch but selects
+// and the compiler vectorizes it
+template <typename grad_t, bool SCALE, Decay DECAY, bool STOCHASTIC>
+void block(uint16_t* __restrict__ P, uint16_t* __restrict__ M, uint16_t* __restrict__ V,
+           const grad_t* __restrict__ G, int64_t lo, int64_t hi, const Hyper& h)
+{
+    const uint32_t j0 = uint32_t((h.offset + lo + h.table[0]) % TABLE_SIZE);
+    const uint32_t j1 = uint32_t((h.offset + lo + h.table[1]) % TABLE_SIZE);
+    const uint32_t j2 = uint32_t((h.offset + lo + h.table[2]) % TABLE_SIZE);
+    const float scale = h.scale, decay = h.decay, wd = h.wd, beta1 = h.beta1, omb1 = h.one_minus_beta1;
+    const float beta2 = h.beta2, omb2 = h.one_minus_beta2, bc2 = h.bc2_sqrt, eps = h.eps, step = h.step_size;
+    const int32_t n = int32_t(hi - lo);
+    // j < TABLE_SIZE and n <= BLOCK: within the table
+    const uint16_t* __restrict__ T0 = STOCHASTIC ? h.bits + j0 : nullptr;  
+    const uint16_t* __restrict__ T1 = STOCHASTIC ? h.bits + j1 : nullptr;
+    const uint16_t* __restrict__ T2 = STOCHASTIC ? h.bits + j2 : nullptr;
+    P += lo, M += lo, V += lo, G += lo;
+    for (int32_t k = 0; k < n; ++k) {
+        float g = widen(G[k]);
+        if (SCALE) g = g / scale;
+        float p = widen(P[k]);
+        if (DECAY == ADAMW_DECAY) p = p * decay;
+        if (DECAY == ADAM_DECAY) g = g + p * wd;
+        float m = widen(M[k]) * beta1;
+        float gm = g * omb1;
+        m = m + gm;
+        float v = widen(V[k]) * beta2;
+        float gg = g * g;
+        gg = gg * omb2;
+        v = v + gg;
+        float t = std::sqrt(v);
+        t = t / bc2;
+        t = t + eps;
+        float u = m / t;
+        u = u * step;
+        p = p - u;
+        if (STOCHASTIC) {
+            P[k] = stochastic(pattern(p), T0[k]);
+            M[k] = stochastic(pattern(m), T1[k]);
+            V[k] = stochastic(pattern(v), T2[k]);
+        } else {
+            P[k] = nearest(pattern(p));
+            M[k] = nearest(pattern(m));
+            V[k] = nearest(pattern(v));
+        }
+    }
+}
+
+template <typename grad_t, bool SCALE, Decay DECAY, bool STOCHASTIC>
+void run(uint16_t* P, uint16_t* M, uint16_t* V, const grad_t* G, int64_t n, const Hyper& h)
+{
+    // 16 blocks a task at least: a small slice runs on the calling thread
+    at::parallel_for(0, (n + BLOCK - 1) / BLOCK, 16, [&](int64_t first, int64_t last) {
+        for (int64_t b = first; b < last; ++b)
+            block<grad_t, SCALE, DECAY, STOCHASTIC>(P, M, V, G, b * BLOCK, std::min(n, (b + 1) * BLOCK), h);
+    });
+}
+
+template <typename grad_t, bool SCALE, Decay DECAY>
+void dispatch(uint16_t* P, uint16_t* M, uint16_t* V, const grad_t* G, int64_t n, const Hyper& h, bool stochastic)
+{
+    stochastic ? run<grad_t, SCALE, DECAY, true>(P, M, V, G, n, h) : run<grad_t, SCALE, DECAY, false>(P, M, V, G, n, h);
+}
+
+template <typename grad_t>
+void dispatch(uint16_t* P, uint16_t* M, uint16_t* V, const grad_t* G, int64_t n, const Hyper& h, bool scale,
+              Decay decay, bool stochastic)
+{
+    if (scale) {
+        if (decay == ADAMW_DECAY) return dispatch<grad_t, true, ADAMW_DECAY>(P, M, V, G, n, h, stochastic);
+        if (decay == ADAM_DECAY) return dispatch<grad_t, true, ADAM_DECAY>(P, M, V, G, n, h, stochastic);
+        return dispatch<grad_t, true, NO_DECAY>(P, M, V, G, n, h, stochastic);
+    }
+    if (decay == ADAMW_DECAY) return dispatch<grad_t, false, ADAMW_DECAY>(P, M, V, G, n, h, stochastic);
+    if (decay == ADAM_DECAY) return dispatch<grad_t, false, ADAM_DECAY>(P, M, V, G, n, h, stochastic);
+    return dispatch<grad_t, false, NO_DECAY>(P, M, V, G, n, h, stochastic);
+}
+
+void adamw_16bit(torch::Tensor master, torch::Tensor exp_avg, torch::Tensor exp_avg_sq, torch::Tensor grad,
+                 int64_t offset, double scale, bool has_scale, double decay, double wd, bool adamw, bool has_wd,
+                 double beta1, double one_minus_beta1, double beta2, double one_minus_beta2, double bc2_sqrt,
+                 double eps, double step_size, bool stochastic_rounding, torch::Tensor table, int64_t table0,
+                 int64_t table1, int64_t table2)
+{
+    const int64_t n = master.numel();
+    for (const auto* t : {&master, &exp_avg, &exp_avg_sq}) {
+        TORCH_CHECK(t->scalar_type() == torch::kBFloat16 && t->is_contiguous() && t->device().is_cpu(),
+                    "the fused 16-bit step holds contiguous bf16 CPU tensors");
+        TORCH_CHECK(t->numel() == n, "master, moments and gradient differ in length");
+    }
+    TORCH_CHECK(grad.numel() == n && grad.is_contiguous() && grad.device().is_cpu(),
+                "the gradient must be a contiguous CPU tensor of the master's length");
+    Hyper h{float(scale), float(decay), float(wd), float(beta1), float(one_minus_beta1), float(beta2),
+            float(one_minus_beta2), float(bc2_sqrt), float(eps), float(step_size), nullptr, offset,
+            {table0, table1, table2}};
+    if (stochastic_rounding) {
+        TORCH_CHECK(table.scalar_type() == torch::kInt16 && table.is_contiguous() &&
+                        table.numel() == TABLE_SIZE + BLOCK,
+                    "stochastic rounding reads RandomBits.extended (int16, TABLE_SIZE + BLOCK entries)");
+        h.bits = reinterpret_cast<const uint16_t*>(table.data_ptr());
+    }
+    const Decay how = !has_wd ? NO_DECAY : adamw ? ADAMW_DECAY : ADAM_DECAY;
+    auto* P = reinterpret_cast<uint16_t*>(master.data_ptr());
+    auto* M = reinterpret_cast<uint16_t*>(exp_avg.data_ptr());
+    auto* V = reinterpret_cast<uint16_t*>(exp_avg_sq.data_ptr());
+    switch (grad.scalar_type()) {
+        case torch::kBFloat16:
+            dispatch(P, M, V, reinterpret_cast<const uint16_t*>(grad.data_ptr()), n, h, has_scale, how,
+                     stochastic_rounding);
+            break;
+        case torch::kHalf:
+            dispatch(P, M, V, reinterpret_cast<const _Float16*>(grad.data_ptr()), n, h, has_scale, how,
+                     stochastic_rounding);
+            break;
+        case torch::kFloat:
+            dispatch(P, M, V, grad.data_ptr<float>(), n, h, has_scale, how, stochastic_rounding);
+            break;
+        default: TORCH_CHECK(false, "the gradient must be bf16, fp16 or fp32, not ", grad.scalar_type());
+    }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
+{
+    // the GIL is released: the pipelined update runs this in its thread beside the main thread's launches
+    m.def("adamw_16bit", &adamw_16bit, "fitone's fused AdamW on bf16 states",
+          py::call_guard<py::gil_scoped_release>());
+}
