@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from fitone import extensions
+
 NEAREST, STOCHASTIC = "nearest", "stochastic"
 ROUNDINGS = (NEAREST, STOCHASTIC)
 ROUNDING_OF_STATES = {"bf16": STOCHASTIC, "bf16-nearest": NEAREST}  # --optimizer-states (fitone.config)
@@ -209,8 +211,6 @@ def fused_op() -> Any:
     with _loading:
         if _loaded is None:
             from torch.utils.cpp_extension import load
-
-            from fitone import extensions
 
             extensions.prepare_build(FUSED_OP)
             _loaded = load(name=FUSED_OP, sources=[str(_SOURCE)], extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
