@@ -56,7 +56,8 @@ FLAGS: dict[str, tuple[Any, str]] = {
     "precision": (PRECISIONS, "fp16 (dynamic loss scaling), bf16 or fp32; auto: fp16 on a GPU, fp32 on the CPU"),
     "activation_checkpointing": (bool, "recompute activations in backward (saves GPU memory)"),
     "fused_loss": (bool, "causal LMs: fuse the LM head and the cross-entropy so no [tokens, vocab] logits are "
-                         "kept (--no-fused-loss: the model's own loss)"),
+                         "kept; on a GPU only for vocabularies of 65,536 tokens or more (--no-fused-loss: the "
+                         "model's own loss)"),
     "offload": (OFFLOADS, "where the optimizer lives: cpu (ZeRO-Offload) or none (on the GPU)"),
     "delayed_update": (bool, "run step N's CPU Adam while the GPU computes step N+1 on weights one update "
                              "old (faster, but it trains worse)"),
