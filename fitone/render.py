@@ -70,16 +70,17 @@ def plan_text(p: Plan) -> str:
     lens = " / ".join(f"{k} {v}" for k, v in p.lengths.items())
     lines = [
         f"{p.model}: {count_text(p.n_params)} params ({p.family} formula), {p.precision}, {mode}, "
-        f"{p.gpus} GPU{'s' if p.gpus > 1 else ''}",
+        f"{p.gpus} GPU{'s' if p.gpus > 1 else ''}" + (f" on each of {p.nodes} nodes" if p.nodes > 1 else ""),
         f"micro-batch {p.micro_batch}, {lens}, activation checkpointing "
         f"{'on' if p.activation_checkpointing else 'off'}",
         "",
     ]
     width = max(len(c.name) for c in p.gpu + p.host) + 2
+    ranks = f"x{p.gpus} ranks" + (" of one node" if p.nodes > 1 else "")
+    host = f", per rank ({ranks} in the total)" if p.gpus > 1 else ", one node's" if p.nodes > 1 else ""
     for title, items, total, limit, limit_name in (
         ("GPU, per rank", p.gpu, p.gpu_total, p.gpu_limit, p.gpu_limit_source),
-        ("host" + (f", per rank (x{p.gpus} ranks in the total)" if p.gpus > 1 else ""), p.host,
-         p.host_total, p.host_available, "available"),
+        ("host" + host, p.host, p.host_total, p.host_available, "available"),
     ):
         lines.append(f"{title:<{width}}{'GiB':>8}")
         lines += [f"  {c.name:<{width - 2}}{gib(c.bytes, 3):>8.2f}   {c.note}".rstrip() for c in items]
@@ -121,8 +122,8 @@ def plot_plan(p: Plan, path: str | Path) -> Path:
                       ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3", "#937860")))
     fig, axes = figure(width=9, height=5.5, cols=2)
     panels = (("GPU (per rank)", "gpu", p.gpu_total, p.gpu_limit, "limit"),
-              ("host" + (f" ({p.gpus} ranks)" if p.gpus > 1 else ""), "host", p.host_total,
-               p.host_available, "available"))
+              ("host" + (f" ({p.gpus} ranks)" if p.gpus > 1 else "") + (" of a node" if p.nodes > 1 else ""),
+               "host", p.host_total, p.host_available, "available"))
     for ax, (title, where, total, limit, limit_name) in zip(axes, panels):
         scale = p.gpus if where == "host" else 1
         top = max(gib(total, 3), gib(limit, 3) if limit else 0.0)

@@ -64,7 +64,7 @@ class Run(Placement):
     def for_probe(self) -> Run:
         """As a probe runs it: one GPU, micro-batch 1, every step an optimizer step, no known length (DeepSpeed
         fixes the micro-batch at init but takes any batch shape in forward)."""
-        return replace(self, dist=DistInfo(self.dist.rank, self.dist.local_rank, 1), mode=self.mode.on_one_gpu(),
+        return replace(self, dist=DistInfo(self.dist.rank, self.dist.local_rank, 1, 1), mode=self.mode.on_one_gpu(),
                        micro_batch=1, accumulation=1, total_steps=None)
 
     def runtime(self) -> Runtime:
@@ -87,11 +87,11 @@ def resolve(cfg: TrainConfig) -> Run:
     return run
 
 
-def resolve_planned(cfg: TrainConfig, gpus: int) -> Run:
-    """The decisions of a run on the card `fitone plan` plans for (a GPU unless --device cpu), on `gpus` ranks:
-    nothing is read from this machine's GPU or distributed env."""
+def resolve_planned(cfg: TrainConfig, gpus: int, nodes: int = 1) -> Run:
+    """The decisions of a run on the card `fitone plan` plans for (a GPU unless --device cpu), on `gpus` ranks on
+    each of `nodes` machines: nothing is read from this machine's GPU or distributed env."""
     require_model(cfg.model)
-    return _decide(cfg, "cpu" if cfg.device == "cpu" else "cuda", DistInfo(0, 0, gpus), planning=True)
+    return _decide(cfg, "cpu" if cfg.device == "cpu" else "cuda", DistInfo(0, 0, gpus * nodes, gpus), planning=True)
 
 
 def start_runtime(cfg: TrainConfig) -> Run:

@@ -29,10 +29,21 @@ class DistInfo:
     rank: int
     local_rank: int
     world_size: int
+    local_world_size: int | None = None  # ranks on this node; None: all of them (one node)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def ranks_on_node(self) -> int:
+        """The ranks whose host RAM this node holds: the launcher's local world size, else every rank."""
+        return self.local_world_size or self.world_size
+
+    @property
+    def nodes(self) -> int:
+        """The machines the ranks run on, `ranks_on_node` on each (a last one may have fewer)."""
+        return -(-self.world_size // self.ranks_on_node)
 
 
 def _free_port() -> int:
@@ -54,8 +65,20 @@ def ensure_dist_env() -> DistInfo:
         if "MASTER_PORT" not in os.environ:
             os.environ["MASTER_PORT"] = _port_chosen_here = str(_free_port())
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+        return DistInfo(0, 0, 1, 1)  # a stale LOCAL_WORLD_SIZE does not count here
     os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
-    return DistInfo(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
+    world = int(os.environ["WORLD_SIZE"])
+    return DistInfo(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), world, _local_world_size(world))
+
+
+def _local_world_size(world: int) -> int | None:
+    """The ranks a launcher started on this node: torchrun's LOCAL_WORLD_SIZE, DeepSpeed's launcher's LOCAL_SIZE.
+    Without either (another launcher) None: every rank is counted on this node, which never under-counts."""
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE"):
+        value = os.environ.get(name, "")
+        if value.isdigit() and 1 <= int(value) <= world:
+            return int(value)
+    return None
 
 
 def share_cpu_threads() -> str:

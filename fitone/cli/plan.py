@@ -29,8 +29,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help="memory of the card to plan for, e.g. 24GiB or 24GB (default: this machine's GPU; "
                              "required on a machine without one)")
     parser.add_argument("--gpus", type=int, default=1, metavar="N",
-                        help="data-parallel GPUs; ZeRO-2 splits optimizer states and fp32 grads N ways (default 1)")
-    parser.add_argument("--host-mem", metavar="SIZE", help="host RAM to plan for (default: what is available now)")
+                        help="data-parallel GPUs on each node; ZeRO-2 splits optimizer states and fp32 grads over "
+                             "all N x M of them (default 1)")
+    parser.add_argument("--nodes", type=int, default=1, metavar="M",
+                        help="machines, N GPUs each; host RAM is planned per node: its N ranks' shares (default 1)")
+    parser.add_argument("--host-mem", metavar="SIZE",
+                        help="one node's host RAM to plan for (default: what is available here now)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--plot", metavar="PNG", help="also draw where the memory goes, as a stacked bar chart")
     parser.set_defaults(run=run)
@@ -40,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, FLAGS)  # first: a bad option costs no torch import
     from fitone.plan import plan  # here: it imports torch, which `fitone plan --help` does not need
 
-    result = plan(cfg, gpu_mem=args.gpu_mem, gpus=args.gpus, host_mem=args.host_mem)
+    result = plan(cfg, gpu_mem=args.gpu_mem, gpus=args.gpus, nodes=args.nodes, host_mem=args.host_mem)
     print(json.dumps(result.to_dict(), indent=2) if args.json else plan_text(result))
     if args.plot:
         plot_plan(result, args.plot)

@@ -48,7 +48,7 @@ def _judge(p: Plan, st: _Setup, gpu_peak: Callable[..., int], max_batch: Callabl
            judge_at: int) -> None:
     """Fill in the verdict, what runs short, and what would help."""
     gpu_off, gpu_on = gpu_peak(judge_at, True), gpu_peak(judge_at, False)
-    host_off = p.host_total if p.offload else st.gpus * sum(c.bytes for c in _host_components(st, True))
+    host_off = p.host_total if p.offload else p.gpus * sum(c.bytes for c in _host_components(st, True))  # a node's
     if p.gpu_limit is not None and _gpu_ok(p, gpu_on) and p.host_total_without_offload <= p.host_available:
         p.verdict = FITS_ON_GPU
     elif _gpu_ok(p, gpu_off) and host_off <= p.host_available:
@@ -115,7 +115,7 @@ def _host_tips(p: Plan, st: _Setup, gpu_on: int) -> list[str]:
     pinned = sum(c.bytes for c in p.host if c.name == "pinned rounding")
     if pinned:
         tips.append(f"\"pin_memory\": false under offload_optimizer in a --ds-config file: saves "
-                    f"{_g(pinned * st.gpus):.1f} GiB of power-of-two rounding, at some transfer speed")
+                    f"{_g(pinned * p.gpus):.1f} GiB of power-of-two rounding, at some transfer speed")
     if p.offload and p.gpu_limit is not None and _gpu_ok(p, gpu_on):
         tips.append("--offload none: the GPU can hold the optimizer states")
     tips.append("a smaller model")

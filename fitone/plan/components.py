@@ -46,14 +46,16 @@ class Plan:
     n_params: int
     precision: str
     offload: bool
-    gpus: int
+    gpus: int  # ranks on each node (--gpus): host_total is one node's, these ranks' shares
+    world_size: int  # ranks over every node (--gpus x --nodes): what ZeRO-2 partitions over
+    nodes: int  # machines (--nodes), `gpus` ranks on each
     micro_batch: int
     lengths: dict[str, int]
     activation_checkpointing: bool
     gpu: list[Component]  # per rank
     host: list[Component]  # per rank
     gpu_total: int
-    host_total: int  # all ranks on this host
+    host_total: int  # one node's: its `gpus` ranks
     gpu_limit: int | None  # what gpu_total is compared with (card memory, or allocator cap + CUDA context)
     gpu_limit_source: str
     host_available: int
@@ -136,10 +138,12 @@ class Plan:
             "optimizer_states": self.optimizer_states,
             "host_export_16bit_states_gib": None if self.host_export_16bit_states is None
             else _g(self.host_export_16bit_states),
-            "offload": "cpu" if self.offload else "none", "gpus": self.gpus, "micro_batch": self.micro_batch,
+            "offload": "cpu" if self.offload else "none", "gpus": self.gpus, "nodes": self.nodes,
+            "world_size": self.world_size, "micro_batch": self.micro_batch,
             "lengths": self.lengths, "activation_checkpointing": self.activation_checkpointing,
             "gpu_gib": _g(self.gpu_total), "gpu_allocated_gib": _g(self.gpu_allocated),
-            "host_gib": _g(self.host_total), "host_export_gib": _g(self.host_export),
+            "host_gib": _g(self.host_total), "host_per_rank_gib": _g(sum(c.bytes for c in self.host)),
+            "host_export_gib": _g(self.host_export),
             "checkpoint_gib": _g(self.checkpoint_bytes), "gpu_init_gib": _g(self.gpu_init_total),
             "gpu_peak_gib": _g(self.gpu_peak), "gpu_peak_phase": self.gpu_peak_phase,
             "gpu_limit_gib": None if self.gpu_limit is None else _g(self.gpu_limit),
@@ -399,6 +403,7 @@ def _largest_batch(fits: Callable[[int], bool], start: int) -> int:
     return lo
 
 
-def _deepspeed_estimate(n_params: int, gpus: int, offload: bool) -> dict[str, int] | None:
-    """DeepSpeed's own numbers for the model states (fitone.zero2.model_states_estimate), beside the plan's."""
-    return zero2.model_states_estimate(n_params, gpus=gpus, offload=offload, on_gpu=memory.cuda_ready())
+def _deepspeed_estimate(n_params: int, gpus: int, nodes: int, offload: bool) -> dict[str, int] | None:
+    """DeepSpeed's own numbers for the model states (fitone.zero2.model_states_estimate), beside the plan's: a
+    GPU's and one node's host, for `gpus` ranks on each of `nodes`."""
+    return zero2.model_states_estimate(n_params, gpus=gpus, nodes=nodes, offload=offload, on_gpu=memory.cuda_ready())

@@ -24,20 +24,23 @@ def plan(
     *,
     gpu_mem: int | str | None = None,
     gpus: int = 1,
+    nodes: int = 1,
     host_mem: int | str | None = None,
     **overrides: Any,
 ) -> Plan:
     """Predict GPU and host memory for `cfg` (or `TrainConfig(**overrides)`) without allocating the model.
 
     gpu_mem: the card to plan for ('24GiB'); default this machine's GPU. --max-gpu-memory, when set,
-    caps it. Without either and without a GPU, raises ConfigError. host_mem: host RAM to plan for;
-    default what is available now. gpus: data-parallel ranks (ZeRO-2 partitions optimizer states).
+    caps it. Without either and without a GPU, raises ConfigError. host_mem: one node's host RAM to plan
+    for; default what is available here now. gpus: data-parallel ranks on each of `nodes` machines (ZeRO-2
+    partitions optimizer states over all gpus x nodes; each node's host holds its own gpus ranks' share).
     """
     cfg = TrainConfig.with_overrides(cfg, overrides)
     cfg.check_paths()  # once per plan: its searches replace the settings many times
-    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
-        raise ConfigError(f"--gpus must be a positive whole number, got {gpus!r}")
-    run = resolve_planned(cfg, gpus).with_given_batch()
+    for flag, value in (("--gpus", gpus), ("--nodes", nodes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{flag} must be a positive whole number, got {value!r}")
+    run = resolve_planned(cfg, gpus, nodes).with_given_batch()
     limit, source = _gpu_limit(run, gpu_mem)
     if limit is None:
         raise ConfigError("no GPU on this machine to plan for: pass --gpu-mem SIZE, the memory of the card "
@@ -68,7 +71,7 @@ def preflight(run: Run) -> Plan:
         fixes.append("a smaller model")
         raise MemoryBudgetError(
             f"host RAM too small: this run needs {_g(need):.1f} GiB ({_g(p.host_states):.1f} GiB of offloaded "
-            f"states per rank + baseline + one export shard"
+            f"states per rank{f' x {p.gpus} ranks on this node' if p.gpus > 1 else ''} + baseline + one export shard"
             f"{'' if on_gpu else ' + the model, buckets and activations a CPU run keeps there'}"
             f") but {_g(p.host_available):.1f} GiB is available, {_g(need - p.host_available):.1f} GiB short; "
             f"use {', or '.join(fixes)}"
@@ -116,7 +119,8 @@ def _preflight_plan(run: Run, micro_batch: int, accumulation: int) -> Plan:
 
 
 def _host_need(p: Plan, on_gpu: bool) -> int:
-    # on a CPU run the "GPU" side (weights, buckets, activations) lives in host RAM too
+    """This node's host RAM: its ranks' (p.gpus) shares, not every rank's. On a CPU run the "GPU" side (weights,
+    buckets, activations) lives in host RAM too."""
     return p.host_export + (0 if on_gpu else p.gpus * p.gpu_allocated)
 
 
@@ -151,7 +155,9 @@ def _host_available(host_mem: int | str | None) -> int:
 def _make_plan(run: Run, *, micro_batch: int | None, accumulation: int, gpu_limit: int | None,
                gpu_limit_source: str, host_available: int) -> Plan:
     """The plan of `run` at `micro_batch` (None: 'auto', the largest that fits) with `accumulation`."""
-    cfg, config, on_gpu, gpus = run.settings, run.model_config, run.on_gpu, run.world_size
+    # ZeRO-2 partitions over every rank (gpus); a node's host holds its own ranks' partitions (here)
+    cfg, config, on_gpu, gpus, here = run.settings, run.model_config, run.on_gpu, run.world_size, run.dist.ranks_on_node
+    nodes = run.dist.nodes
     shape, notes = model_shape(cfg, config)
     notes = [*run.config_notes, *notes]
     lengths = Lengths(cfg.src_len, cfg.tgt_len) if shape.encoder_decoder else Lengths(cfg.seq_len, cfg.seq_len)
@@ -207,12 +213,12 @@ def _make_plan(run: Run, *, micro_batch: int | None, accumulation: int, gpu_limi
             micro_batch = next(d for d in range(min(micro_batch, per_step), 0, -1) if per_step % d == 0)
             st = dataclasses.replace(st, accumulation=per_step // micro_batch)
     host = _host_components(st, offload)
-    host_total = gpus * sum(c.bytes for c in host)
-    host_no = gpus * sum(c.bytes for c in _host_components(st, False))
+    host_total = here * sum(c.bytes for c in host)
+    host_no = here * sum(c.bytes for c in _host_components(st, False))
     gpu = _gpu_components(st, offload, micro_batch)
     p = Plan(
         model=cfg.model or "", family=shape.family, n_params=shape.n_params, precision=run.precision,
-        offload=offload, gpus=gpus, micro_batch=micro_batch,
+        offload=offload, gpus=here, world_size=gpus, nodes=nodes, micro_batch=micro_batch,
         lengths={"src_len": lengths.src, "tgt_len": lengths.tgt} if shape.encoder_decoder else {"seq_len": lengths.src},
         activation_checkpointing=cfg.activation_checkpointing, gpu=gpu, host=host,
         gpu_total=sum(c.bytes for c in gpu), host_total=host_total, gpu_limit=gpu_limit,
@@ -221,7 +227,7 @@ def _make_plan(run: Run, *, micro_batch: int | None, accumulation: int, gpu_limi
         activation_per_sample_no_ckpt=st.per_sample(False), max_micro_batch=best,
         max_micro_batch_without_offload=max_batch(False), gpu_total_without_offload=gpu_peak(micro_batch, False),
         host_total_without_offload=host_no, verdict=DOES_NOT_FIT, notes=notes,
-        deepspeed_estimate=_deepspeed_estimate(shape.n_params, gpus, offload),
+        deepspeed_estimate=_deepspeed_estimate(shape.n_params, here, nodes, offload),
         gpu_init=_gpu_init_components(st, offload), optimizer_states=run.mode.states,
         host_total_16bit_states=_host_total_16bit_states(st, offload),
         max_micro_batch_one_step=max_batch(offload, accumulating=False),

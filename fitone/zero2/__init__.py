@@ -45,7 +45,8 @@ def zero_config_keys() -> list[str]:
     return list(DeepSpeedZeroConfig.model_fields)
 
 
-def model_states_estimate(n_params: int, *, gpus: int, offload: bool, on_gpu: bool) -> dict[str, int] | None:
+def model_states_estimate(n_params: int, *, gpus: int, nodes: int = 1, offload: bool,
+                          on_gpu: bool) -> dict[str, int] | None:
     """DeepSpeed's own bytes for ZeRO-2's model states (estimate_zero2_model_states_mem_needs), to set beside
     fitone's plan; None where DeepSpeed cannot be imported (an optional comparison, never why a plan fails)."""
     if not on_gpu:  # DeepSpeed falls back to its CPU accelerator itself, warning that it found no GPU
@@ -56,7 +57,7 @@ def model_states_estimate(n_params: int, *, gpus: int, offload: bool, on_gpu: bo
             from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
     except Exception:
         return None
-    host, gpu = estimate_zero2_model_states_mem_needs(n_params, num_gpus_per_node=gpus, num_nodes=1,
+    host, gpu = estimate_zero2_model_states_mem_needs(n_params, num_gpus_per_node=gpus, num_nodes=nodes,
                                                       cpu_offload=offload)
     return {"gpu": int(gpu), "host": int(host)}
 
