@@ -227,7 +227,8 @@ SLOW: dict[str, tuple[str, ...]] = {
                     "test_import_fitone_is_light_and_the_api_loads_on_first_use"),
     "test_sources.py": ("test_a_200k_row_parquet_trains_without_being_read_into_memory",),
     "test_distributed.py": ("*",),  # torchrun children, each test and the fixture over 60 s
-    "test_multi_node.py": ("*",),  # two torchrun nodes, launched twice: 35 s on 2 lightly loaded cores
+    "test_multi_node.py": ("test_two_nodes_over_loopback_train_checkpoint_and_resume",  # 35-60 s each: two nodes
+                           "test_deepspeeds_per_node_launcher_on_two_nodes_trains"),
     "test_extensions.py": ("test_fitone_train_after_an_interrupted_build_clears_the_lock_and_says_what_it_builds",),
     "test_faults.py": ("test_sigterm_checkpoints_says_how_to_resume_and_resume_continues",),
     "test_overlap.py": ("test_in_bf16_the_pipelined_update_follows_the_default_and_the_delayed_one_lags",
