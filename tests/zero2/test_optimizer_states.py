@@ -1,4 +1,4 @@
-"""--optimizer-states bf16 / bf16-nearest on real DeepSpeed ZeRO-2 CPU-offload engines (bf16 training).
+"""--optimizer-states bf16 / bf16-nearest / bf16-kahan on real DeepSpeed ZeRO-2 CPU-offload engines (bf16 training).
 
 DeepSpeed's bf16 master weights and optimizer states on the lean layout, stepped by the pipelined update's
 fused 16-bit step (fitone.zero2.low_precision, whose arithmetic tests/zero2/test_low_precision.py checks).
@@ -51,6 +51,50 @@ def test_bf16_states_train_with_accumulation_on_8_bytes_per_parameter(states):
         engine.close()
 
 
+def test_kahan_states_train_with_accumulation_on_10_bytes_per_parameter():
+    """bf16-kahan: the 8 B/param of the other bf16 states and a bf16 compensation buffer in the optimizer's
+    state (2 B/param), which the steps fill with what rounding the master weights lost."""
+    engine = tiny_engine("bf16", grad_accum=2, states="bf16-kahan")
+    try:
+        n = sum(p.numel() for p in engine.module.parameters())
+        assert engine.host.host_bytes()["compensation"] == 2 * n  # made with the engine, before any step
+        losses = _train(engine, accum=2)
+        assert all(math.isfinite(x) for x in losses) and losses[-1] < 0.8 * losses[0]
+        assert engine.host.host_bytes() == {"bf16 master": 2 * n, "gradients": 2 * n, "Adam moments": 4 * n,
+                                            "fp32 upcast": 0, "compensation": 2 * n}
+        master = engine.optimizer.single_partition_of_fp32_groups[0]
+        compensation = engine.optimizer.optimizer.state[master]["compensation"]
+        assert compensation.dtype == torch.bfloat16 and compensation.count_nonzero() > n // 2
+        # below half a bf16 spacing of its weight (2**-8 of it, 8 significant bits), where the weight is not 0
+        big = master.data != 0
+        assert torch.all(compensation[big].double().abs() <= master.data[big].double().abs() * 2.0**-8)
+        assert torch.equal(engine.optimizer.bit16_groups_flat[0][:master.numel()], master.data)
+    finally:
+        engine.close()
+
+
+def test_the_plan_counts_10_bytes_a_parameter_for_kahan_states():
+    from fitone import checkpoint
+    from fitone.plan import plan
+
+    t5_3b = dict(model="t5-3b", from_scratch=True, src_len=128, tgt_len=128, precision="bf16", gpu_mem="24GiB",
+                 host_mem="256GiB")
+    nearest, kahan = (plan(**t5_3b, optimizer_states=states) for states in ("bf16-nearest", "bf16-kahan"))
+    n = kahan.n_params
+    assert next(c.bytes for c in kahan.host if c.name == "compensation") == 2 * n
+    assert kahan.host_total - nearest.host_total == 2 * n and not any(c.name == "compensation" for c in nearest.host)
+    assert kahan.checkpoint_bytes == checkpoint.checkpoint_bytes(n, "bf16", "bf16-kahan") == 10 * n + 4 * 2**20
+
+
+def test_a_kahan_run_says_what_it_keeps_in_one_line():
+    from fitone.run import resolve_planned
+    from fitone.train_setup import step_mode_notes
+
+    notes = step_mode_notes(resolve_planned(cpu_config(precision="bf16", optimizer_states="bf16-kahan"), 1))
+    assert len(notes) == 1 and "--optimizer-states bf16-kahan" in notes[0]
+    assert "rounded to the nearest, what that loses kept in a bf16 compensation buffer (2 B/param more)" in notes[0]
+
+
 def test_chunked_bf16_states_are_the_same_bits_as_one_slice():
     """The stochastic bits are keyed by element index, not by where a chunk or slice starts: chunks of 1,024
     widened 256 at a time give the one-slice update, bit for bit."""
@@ -80,10 +124,13 @@ def test_stochastic_rounding_depends_on_its_seed_and_differs_from_nearest():
         assert any(not torch.equal(first[k], other[k]) for k in first)
 
 
-def test_a_bf16_states_run_trains_saves_resumes_bit_exactly_and_exports(tmp_path):
+@pytest.mark.parametrize("states", ["bf16", "bf16-kahan"])
+def test_a_bf16_states_run_trains_saves_resumes_bit_exactly_and_exports(states, tmp_path):
+    """bf16-kahan's checkpoint carries its compensation: without it the resumed steps would start from the
+    rounded weights alone and differ."""
     from transformers import AutoModelForSeq2SeqLM
 
-    common = dict(precision="bf16", optimizer_states="bf16", max_steps=10, lr=1e-3, lr_schedule="constant",
+    common = dict(precision="bf16", optimizer_states=states, max_steps=10, lr=1e-3, lr_schedule="constant",
                   warmup_steps=0, batch_size=8, grad_accum=2)
     straight = fitone.train(cpu_config(**common, out=str(tmp_path / "straight"), save_every=5))
     assert straight.update == "pipelined" and straight.losses[-1] < straight.losses[0]
@@ -111,6 +158,26 @@ def test_a_checkpoint_of_the_other_mode_is_refused_in_one_line(tmp_path):
                                 "--eval-examples", "0", "--no-progress", "--max-steps", "4", "--save-every", "2",
                                 "--out", str(small), "--resume"])
     assert code == 2 and "holds bf16 optimizer states and this run keeps fp32 ones" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_checkpoint_with_or_without_kahans_compensation_is_refused_by_the_other_in_one_line(tmp_path):
+    """bf16 and bf16-nearest hold the same buffers and resume each other; bf16-kahan holds one more."""
+    common = dict(precision="bf16", max_steps=2, batch_size=8, save_every=2)
+    kahan, small = tmp_path / "kahan", tmp_path / "small"
+    fitone.train(cpu_config(**common, optimizer_states="bf16-kahan", out=str(kahan)))
+    fitone.train(cpu_config(**common, optimizer_states="bf16-nearest", out=str(small)))
+    before = sorted((p.relative_to(kahan), p.stat().st_mtime_ns) for p in kahan.rglob("*"))
+    with pytest.raises(RunDirError, match="holds bf16-kahan optimizer states and this run keeps bf16 ones: resume "
+                                          "with --optimizer-states bf16-kahan"):
+        fitone.train(cpu_config(**{**common, "max_steps": 4}, optimizer_states="bf16", out=str(kahan), resume=True))
+    assert sorted((p.relative_to(kahan), p.stat().st_mtime_ns) for p in kahan.rglob("*")) == before  # untouched
+    code, _out, err = run_main(["train", "--model", "t5-tiny", "--from-scratch", "--data", "sample", "--src-len", "8",
+                                "--tgt-len", "48", "--batch-size", "8", "--precision", "bf16", "--device", "cpu",
+                                "--eval-examples", "0", "--no-progress", "--max-steps", "4", "--save-every", "2",
+                                "--optimizer-states", "bf16-kahan", "--out", str(small), "--resume"])
+    assert code == 2 and "holds bf16 optimizer states and this run keeps bf16-kahan ones: resume with " \
+                         "--optimizer-states bf16 (or bf16-nearest)" in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
