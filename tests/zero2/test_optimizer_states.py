@@ -7,6 +7,7 @@ fused 16-bit step (fitone.zero2.low_precision, whose arithmetic tests/zero2/test
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -143,41 +144,30 @@ def test_a_bf16_states_run_trains_saves_resumes_bit_exactly_and_exports(states, 
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_a_checkpoint_of_the_other_mode_is_refused_in_one_line(tmp_path):
+@pytest.mark.parametrize("first, second, resumed, refused, cli_states, cli_refused", [
+    ("fp32", "bf16", "bf16", "holds fp32 optimizer states and this run keeps bf16 ones: resume with "
+     "--optimizer-states fp32", "fp32", "holds bf16 optimizer states and this run keeps fp32 ones"),
+    # bf16 and bf16-nearest hold the same buffers and resume each other; bf16-kahan holds one more
+    ("bf16-kahan", "bf16-nearest", "bf16", "holds bf16-kahan optimizer states and this run keeps bf16 ones: "
+     "resume with --optimizer-states bf16-kahan", "bf16-kahan", "holds bf16 optimizer states and this run keeps "
+     "bf16-kahan ones: resume with --optimizer-states bf16 (or bf16-nearest)"),
+])
+def test_a_checkpoint_of_the_other_mode_is_refused_in_one_line(first, second, resumed, refused, cli_states,
+                                                               cli_refused, tmp_path):
+    """`first`'s checkpoint resumed as `resumed` (API), `second`'s as `cli_states` (CLI)."""
     common = dict(precision="bf16", max_steps=2, batch_size=8, save_every=2)
-    exact, small = tmp_path / "exact", tmp_path / "small"
-    fitone.train(cpu_config(**common, out=str(exact)))
-    fitone.train(cpu_config(**common, optimizer_states="bf16", out=str(small)))
-    before = sorted((p.relative_to(exact), p.stat().st_mtime_ns) for p in exact.rglob("*"))
-    with pytest.raises(RunDirError, match="holds fp32 optimizer states and this run keeps bf16 ones: resume with "
-                                          "--optimizer-states fp32"):
-        fitone.train(cpu_config(**{**common, "max_steps": 4}, optimizer_states="bf16", out=str(exact), resume=True))
-    assert sorted((p.relative_to(exact), p.stat().st_mtime_ns) for p in exact.rglob("*")) == before  # untouched
+    one, two = tmp_path / "one", tmp_path / "two"
+    fitone.train(cpu_config(**common, optimizer_states=first, out=str(one)))
+    fitone.train(cpu_config(**common, optimizer_states=second, out=str(two)))
+    before = sorted((p.relative_to(one), p.stat().st_mtime_ns) for p in one.rglob("*"))
+    with pytest.raises(RunDirError, match=re.escape(refused)):
+        fitone.train(cpu_config(**{**common, "max_steps": 4}, optimizer_states=resumed, out=str(one), resume=True))
+    assert sorted((p.relative_to(one), p.stat().st_mtime_ns) for p in one.rglob("*")) == before  # untouched
     code, _out, err = run_main(["train", "--model", "t5-tiny", "--from-scratch", "--data", "sample", "--src-len", "8",
                                 "--tgt-len", "48", "--batch-size", "8", "--precision", "bf16", "--device", "cpu",
                                 "--eval-examples", "0", "--no-progress", "--max-steps", "4", "--save-every", "2",
-                                "--out", str(small), "--resume"])
-    assert code == 2 and "holds bf16 optimizer states and this run keeps fp32 ones" in err
-    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
-
-
-def test_a_checkpoint_with_or_without_kahans_compensation_is_refused_by_the_other_in_one_line(tmp_path):
-    """bf16 and bf16-nearest hold the same buffers and resume each other; bf16-kahan holds one more."""
-    common = dict(precision="bf16", max_steps=2, batch_size=8, save_every=2)
-    kahan, small = tmp_path / "kahan", tmp_path / "small"
-    fitone.train(cpu_config(**common, optimizer_states="bf16-kahan", out=str(kahan)))
-    fitone.train(cpu_config(**common, optimizer_states="bf16-nearest", out=str(small)))
-    before = sorted((p.relative_to(kahan), p.stat().st_mtime_ns) for p in kahan.rglob("*"))
-    with pytest.raises(RunDirError, match="holds bf16-kahan optimizer states and this run keeps bf16 ones: resume "
-                                          "with --optimizer-states bf16-kahan"):
-        fitone.train(cpu_config(**{**common, "max_steps": 4}, optimizer_states="bf16", out=str(kahan), resume=True))
-    assert sorted((p.relative_to(kahan), p.stat().st_mtime_ns) for p in kahan.rglob("*")) == before  # untouched
-    code, _out, err = run_main(["train", "--model", "t5-tiny", "--from-scratch", "--data", "sample", "--src-len", "8",
-                                "--tgt-len", "48", "--batch-size", "8", "--precision", "bf16", "--device", "cpu",
-                                "--eval-examples", "0", "--no-progress", "--max-steps", "4", "--save-every", "2",
-                                "--optimizer-states", "bf16-kahan", "--out", str(small), "--resume"])
-    assert code == 2 and "holds bf16 optimizer states and this run keeps bf16-kahan ones: resume with " \
-                         "--optimizer-states bf16 (or bf16-nearest)" in err
+                                "--optimizer-states", cli_states, "--out", str(two), "--resume"])
+    assert code == 2 and cli_refused in err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
