@@ -171,6 +171,37 @@ def test_a_checkpoint_of_the_other_mode_is_refused_in_one_line(first, second, re
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+def test_kahans_compensation_moves_with_a_checkpoint_into_other_parameter_groups(tmp_path, monkeypatch):
+    """Saved in one group, resumed into dozens (fitone.zero2.layout.regroup_saved_state): the compensation moves
+    parameter by parameter with the master and moments, so the resumed steps give the weights of resuming into
+    the layout it was saved in, bit for bit (the 16-bit step is elementwise: no SIMD tail to differ)."""
+    from fitone.zero2 import layout
+
+    def engine_in(groups: int):
+        monkeypatch.setattr(layout, "GROUP_ELEMENTS", groups)
+        return tiny_engine("bf16", states="bf16-kahan")
+
+    engine = engine_in(2**27)
+    try:
+        _train(engine, steps=3)
+        engine.save(str(tmp_path), "one-group", {})
+    finally:
+        engine.close()
+    resumed, n_groups = [], []
+    for groups in (2**27, 20_000):
+        engine = engine_in(groups)
+        try:
+            engine.load(str(tmp_path), "one-group")
+            states = list(engine.optimizer.optimizer.state.values())
+            assert all(s["compensation"].count_nonzero() > 0 for s in states)  # moved, not made anew
+            n_groups.append(len(states))
+            resumed.append(weights(engine) | {"losses": torch.tensor(_train(engine, steps=3))})
+        finally:
+            engine.close()
+    assert n_groups[0] == 1 and n_groups[1] > 10
+    assert all(torch.equal(resumed[0][k], resumed[1][k]) for k in resumed[0])
+
+
 @pytest.mark.parametrize("precision, why", [("fp16", "needs --precision bf16 \\(fp16 training given\\)"),
                                             ("fp32", "needs --precision bf16 \\(fp32 training given\\)")])
 def test_other_precisions_are_refused_in_one_line(precision, why):
