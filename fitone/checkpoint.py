@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from fitone.errors import FitoneError, RunDirError
-from fitone.zero2 import cpu_adam, wrapped_optimizer
+from fitone.zero2 import cpu_adam, low_precision, wrapped_optimizer
 
 if TYPE_CHECKING:  # engine.py imports DeepSpeed; the checkpoint functions only call its methods
     from fitone.engine import Engine
@@ -154,7 +154,7 @@ def save(engine: Engine, run_dir: str | Path, step: int, state: dict[str, Any], 
 
 # What a checkpoint holds, per parameter: the model states file has the weights as trained (16 or 32 bits), the
 # ZeRO-2 optimizer file the fp32 master and Adam's two fp32 moments (no gradients; half that in bf16 with
-# --optimizer-states bf16). Beside them: DeepSpeed's
+# --optimizer-states bf16, and bf16-kahan's compensation buffer). Beside them: DeepSpeed's
 # zero_to_fp32.py helpers, the pickled names, shapes and slice mappings, the RNG, schedule and fitone's state
 # (67 KB for the tiny models; tests/test_checkpoint.py measures the bytes written against this).
 OPTIMIZER_BYTES_PER_PARAM = 12
@@ -163,10 +163,11 @@ CHECKPOINT_OVERHEAD = 4 * 2**20
 
 def checkpoint_bytes(n_params: int, precision: str, optimizer_states: str = "fp32") -> int:
     """Disk bytes of one checkpoint of a model with `n_params` parameters trained in `precision`
-    (fp16/bf16/fp32): 14 B/param in 16 bits, 16 in fp32, 8 with bf16 `optimizer_states`, plus a little; for
-    `--save-every`'s disk check and the plan."""
+    (fp16/bf16/fp32): 14 B/param in 16 bits, 16 in fp32, 8 with bf16 `optimizer_states` (10 with bf16-kahan's
+    compensation), plus a little; for `--save-every`'s disk check and the plan."""
     weight_bytes = 4 if precision == "fp32" else 2
     optimizer = OPTIMIZER_BYTES_PER_PARAM if optimizer_states == "fp32" else OPTIMIZER_BYTES_PER_PARAM // 2
+    optimizer += 2 if optimizer_states in low_precision.COMPENSATED else 0
     return n_params * (weight_bytes + optimizer) + CHECKPOINT_OVERHEAD
 
 

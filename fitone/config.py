@@ -26,8 +26,9 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 REPORT_TO = ("tensorboard", "wandb")
 PREFER_BATCH = ("throughput", "largest")  # what --batch-size auto and probe-batch choose (fitone.probe.choice)
 # the optimizer's host state: fp32 (exact), or bf16 master weights and moments rounded stochastically (bf16)
-# or to the nearest (bf16-nearest), in the pipelined update (fitone.zero2.low_precision)
-OPTIMIZER_STATES = ("fp32", "bf16", "bf16-nearest")
+# or to the nearest (bf16-nearest), or to the nearest with a bf16 compensation buffer (bf16-kahan), in the
+# pipelined update (fitone.zero2.low_precision)
+OPTIMIZER_STATES = ("fp32", "bf16", "bf16-nearest", "bf16-kahan")
 
 def resolve_precision(precision: str, on_gpu: bool) -> str:
     """'auto' (the default) is fp16 with loss scaling on a GPU and fp32 on the CPU, where DeepSpeed refuses fp16."""

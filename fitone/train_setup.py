@@ -116,7 +116,8 @@ def step_mode_notes(run: Run) -> list[str]:
     delayed one."""
     cfg, notes = run.settings, []
     if run.mode.states != "fp32":
-        rounded = "stochastically" if run.mode.states == "bf16" else "to the nearest"
+        rounded = {"bf16": "stochastically", "bf16-kahan": "to the nearest, what that loses kept in a bf16 "
+                   "compensation buffer (2 B/param more)"}.get(run.mode.states, "to the nearest")
         notes.append(f"optimizer states in bf16 (--optimizer-states {run.mode.states}): master weights and Adam's "
                      f"moments, 8 B/param on the host, each step computed in fp32 and rounded {rounded}; the "
                      "pipelined update runs it")

@@ -1,14 +1,15 @@
-"""Does --optimizer-states bf16 train like the exact mode? A CPU check on the shipped tiny configs.
+"""Do --optimizer-states bf16 and its variants train like the exact mode? A CPU check on the shipped tiny configs.
 
 For each of t5-tiny (the sample task) and gpt2-tiny (the sample task as causal text, "5013 = five thousand
-thirteen"), from scratch, bf16 training, micro-batch 16, constant lr, clip 1.0, seed 0, 300 steps, three runs
-that differ only in the optimizer's states, all in the pipelined update:
-  exact         fp32 master and moments (PyTorch's fused AdamW)
-  bf16-nearest  bf16 master and moments, rounded to the nearest (fitone.zero2.low_precision)
-  bf16          the same, rounded stochastically
-Writes result.json (losses, held-out scores) and curves.png into --out.
+thirteen"), from scratch, bf16 training, micro-batch 16, constant lr, clip 1.0, seed 0, 300 steps, runs that
+differ only in the optimizer's states, all in the pipelined update:
+  exact         fp32 master and moments (PyTorch's fused AdamW), 14 B/param
+  bf16-nearest  bf16 master and moments, rounded to the nearest (fitone.zero2.low_precision), 8 B/param
+  bf16          the same, rounded stochastically, 8 B/param
+  bf16-kahan    rounded to the nearest, with a bf16 compensation buffer (Kahan summation), 10 B/param
+Writes result.json (losses, held-out scores, bytes per parameter) and curves.png into --out.
 
-    python scripts/quality_states_cpu.py --out bench/results/2026-12-02-cpu-bf16-states
+    python scripts/quality_states_cpu.py --out bench/results/2026-12-02-cpu-kahan
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ from pathlib import Path
 import _harness  # noqa: F401 - the checkout's fitone first on the path
 
 STEPS, BATCH, LR = 300, 16, 3e-3
-MODES = {"exact": "fp32", "bf16-nearest": "bf16-nearest", "bf16 (stochastic)": "bf16"}
+MODES = {"exact": "fp32", "bf16-nearest": "bf16-nearest", "bf16 (stochastic)": "bf16", "bf16-kahan": "bf16-kahan"}
+# the plan's per-parameter host buffers of the pipelined update on a GPU (its lean layout's master, gradients,
+# moments, compensation: not the fixed-size ones), read from fitone.plan, not typed in
+PER_PARAM = ("master weights", "gradients", "Adam m and v", "compensation")
 
 
 def causal_sample(folder: Path) -> tuple[str, str]:
@@ -44,10 +48,12 @@ def one_run(model: str, states: str, data: dict) -> dict:
     cfg = TrainConfig(model=model, from_scratch=True, batch_size=BATCH, lr=LR, lr_schedule="constant",
                       warmup_steps=0, max_steps=STEPS, precision="bf16", device="cpu", eval_examples=64,
                       progress=False, seed=0, pipelined_update=True, optimizer_states=states, **data)
+    planned = fitone.plan(cfg.replace(device="auto"), gpu_mem="24GiB", host_mem="64GiB")
+    per_param = sum(c.bytes for c in planned.host if c.name.endswith(PER_PARAM)) / planned.n_params
     start = time.perf_counter()
     r = fitone.train(cfg)
     return {"losses": r.losses, "quality": r.quality, "skipped_steps": r.skipped_steps,
-            "seconds": round(time.perf_counter() - start, 1)}
+            "host_bytes_per_param": per_param, "seconds": round(time.perf_counter() - start, 1)}
 
 
 def plot(results: dict, path: Path) -> None:

@@ -360,7 +360,8 @@ def _stepped_engine(precision: str, model: str, states: str = "fp32"):
 
 
 @pytest.mark.parametrize("model, precision, states", [("t5-tiny", "fp32", "fp32"), ("gpt2-tiny", "bf16", "fp32"),
-                                                     ("gpt2-tiny", "bf16", "bf16")])
+                                                     ("gpt2-tiny", "bf16", "bf16"),
+                                                     ("gpt2-tiny", "bf16", "bf16-kahan")])
 def test_a_checkpoints_bytes_on_disk_are_what_checkpoint_bytes_counts(tmp_path, model, precision, states):
     """The weights as trained + the fp32 master + Adam's two fp32 moments per parameter (bf16 ones with
     --optimizer-states bf16), and a little: the per-parameter part is pinned to the byte (a byte per

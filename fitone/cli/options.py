@@ -68,7 +68,9 @@ FLAGS: dict[str, tuple[Any, str]] = {
     "optimizer_states": (OPTIMIZER_STATES, "the optimizer's host state: fp32 (exact, 14 B/param), or bf16 master "
                                            "weights and moments (8 B/param; needs --precision bf16, runs the "
                                            "pipelined update) rounded stochastically (bf16) or to the nearest "
-                                           "(bf16-nearest, which loses updates under ~0.2-0.4 percent of a weight)"),
+                                           "(bf16-nearest, which loses updates under ~0.2-0.4 percent of a weight), "
+                                           "or to the nearest with a bf16 compensation buffer that keeps what the "
+                                           "rounding lost (bf16-kahan, 10 B/param)"),
     "ds_config": (str, "a DeepSpeed JSON file merged over the generated config"),
     "max_gpu_memory": (str, "cap the CUDA allocator, e.g. 23GiB, to stand for a smaller card"),
     "expandable_segments": (bool, "CUDA allocator with expandable segments (less fragmentation; unless "

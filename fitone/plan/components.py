@@ -382,6 +382,8 @@ def _lean_host_components(st: _Setup, part: int) -> list[Component]:
     if w < 4 and m == 4:  # the fused 16-bit step reads the 16-bit gradients as they are
         comps.append(Component("fp32 gradient chunk", "buffers", 4 * min(part, layout.WIDEN_ELEMENTS),
                                "the gradients widened for Adam a slice at a time"))
+    if st.optimizer_states in low_precision.COMPENSATED:  # bf16-kahan: what rounding the master lost, in bf16
+        comps.append(Component("compensation", "optimizer", 2 * part, "2 B/param, bf16-kahan's rounding errors"))
     if m < 4 and low_precision.ROUNDING_OF_STATES[st.optimizer_states] == low_precision.STOCHASTIC:
         comps.append(Component("random bits' table", "buffers", low_precision.host_bytes(low_precision.STOCHASTIC),
                                "stochastic rounding's, read by the fused 16-bit step"))

@@ -303,13 +303,17 @@ class LeanHost:
         """What the optimizer holds on the host, by buffer (Adam's moments once its first step made them)."""
         opt = self.opt
         masters = opt.single_partition_of_fp32_groups
-        moments = sum(t.numel() * t.element_size() for m in masters for k, t in opt.optimizer.state[m].items()
-                      if isinstance(t, torch.Tensor) and k in ("exp_avg", "exp_avg_sq"))
+        def held(*keys: str) -> int:
+            return sum(t.numel() * t.element_size() for m in masters for k, t in opt.optimizer.state[m].items()
+                       if isinstance(t, torch.Tensor) and k in keys)
+
         kind = "bf16" if masters[0].dtype == torch.bfloat16 else "fp32"  # --optimizer-states bf16: DeepSpeed's bf16 one
+        compensation = held("compensation")  # --optimizer-states bf16-kahan only
         return {f"{kind} master": sum(m.numel() * m.element_size() for m in masters),
                 "gradients": sum(g.numel() * g.element_size() for g in self.gradients),
-                "Adam moments": moments,
-                "fp32 upcast": 0 if self._upcast is None else self._upcast.numel() * 4}
+                "Adam moments": held("exp_avg", "exp_avg_sq"),
+                "fp32 upcast": 0 if self._upcast is None else self._upcast.numel() * 4,
+                **({"compensation": compensation} if compensation else {})}
 
     def close(self) -> None:
         """Unlock the pages before DeepSpeed frees the buffers (the driver must not keep recycled pages)."""
@@ -338,7 +342,7 @@ def regroup_saved_state(saved: dict[str, Any], opt: Any) -> dict[str, Any]:
     fp32, state = [], {}
     for g, mapping in enumerate(target["param_slice_mappings"]):
         size = target["single_partition_of_fp32_groups"][g].numel()
-        keys = ["fp32"] + (["exp_avg", "exp_avg_sq"] if old_state else [])
+        keys = ["fp32"] + [k for k in ("exp_avg", "exp_avg_sq", "compensation") if old_state and k in old_state[0]]
         new = {k: torch.zeros(size, dtype=torch.float32) for k in keys}
         for name, frag in mapping.items():
             if name not in where:
@@ -349,7 +353,7 @@ def regroup_saved_state(saved: dict[str, Any], opt: Any) -> dict[str, Any]:
                 new[k][frag.start:frag.start + frag.numel].copy_(source[old.start:old.start + old.numel])
         fp32.append(new["fp32"])
         if old_state:
-            state[g] = {"step": old_state[0]["step"], "exp_avg": new["exp_avg"], "exp_avg_sq": new["exp_avg_sq"]}
+            state[g] = {"step": old_state[0]["step"], **{k: new[k] for k in keys[1:]}}
     groups = [{**old_base["param_groups"][0], "params": [g]} for g in range(len(fp32))]
     return {**saved, "single_partition_of_fp32_groups": fp32,
             "base_optimizer_state": {"state": state, "param_groups": groups},
@@ -357,18 +361,27 @@ def regroup_saved_state(saved: dict[str, Any], opt: Any) -> dict[str, Any]:
                                       "param_slice_mappings") if k in target}}
 
 
+def _states_kind(dtype: torch.dtype, states: Any) -> str:
+    """fp32, bf16, or bf16-kahan (bf16 with a compensation buffer), from a master's dtype and Adam's states."""
+    kind = {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(dtype, str(dtype))
+    return kind + "-kahan" if any("compensation" in s for s in states) else kind
+
+
 def check_saved_states(saved: dict[str, Any], opt: Any, path: str) -> None:
     """Refuse, in one line, an optimizer state saved with other --optimizer-states than `opt` holds: DeepSpeed
-    would cast it silently (fp32 rounded to bf16, or bf16 widened, as if it were the exact mode's)."""
+    would cast it silently (fp32 rounded to bf16, or bf16 widened, as if it were the exact mode's), or drop or
+    miss bf16-kahan's compensation buffer (`bf16` and `bf16-nearest` hold the same buffers)."""
     masters = saved.get("single_partition_of_fp32_groups") or []
     if not masters or not isinstance(masters[0], torch.Tensor):
         return
-    names = {torch.float32: "fp32", torch.bfloat16: "bf16"}
-    was, now = (names.get(t.dtype, str(t.dtype)) for t in (masters[0], opt.single_partition_of_fp32_groups[0]))
+    base = saved.get("base_optimizer_state")  # DeepSpeed's rigid form (a dict) or its elastic one (a list)
+    saved_states = (base.get("state") or {}).values() if isinstance(base, dict) else base or []
+    was = _states_kind(masters[0].dtype, saved_states)
+    now = _states_kind(opt.single_partition_of_fp32_groups[0].dtype, opt.optimizer.state.values())
     if was != now:
+        flag = {"bf16": "bf16 (or bf16-nearest)"}.get(was, was)
         raise RunDirError(f"checkpoint {os.path.dirname(path)} holds {was} optimizer states and this run keeps {now} "
-                          f"ones: resume with "
-                          f"--optimizer-states {was if was == 'fp32' else 'bf16 (or bf16-nearest)'}, or start a new "
+                          f"ones: resume with --optimizer-states {flag}, or start a new "
                           "run from the exported model (final/)")
 
 

@@ -4,7 +4,9 @@ What `--optimizer-states bf16` runs in the pipelined update instead of fused fp3
 master weight and moments are widened to fp32 (exact), stepped with AdamW's arithmetic in fp32, and rounded
 back to bf16 either to the nearest (an update smaller than half a weight's bf16 spacing, 0.2-0.4% of the
 weight, is lost) or stochastically: rounded up with the probability of the remainder, so small updates are
-kept in expectation.
+kept in expectation. Or compensated (Kahan summation, `--optimizer-states bf16-kahan`): a bf16 compensation
+buffer holds what rounding the weight to the nearest lost, and the next step adds it back before stepping,
+so small updates accumulate there until they move the weight (2 B/param more).
 
 Stochastic rounding's 16 random bits per element are entry (index + offset) of a table of TABLE_SIZE hashed
 values, the offset hashed from (seed, step, group, which tensor): no random state needs checkpointing, a
@@ -35,7 +37,8 @@ from fitone import extensions
 
 NEAREST, STOCHASTIC = "nearest", "stochastic"
 ROUNDINGS = (NEAREST, STOCHASTIC)
-ROUNDING_OF_STATES = {"bf16": STOCHASTIC, "bf16-nearest": NEAREST}  # --optimizer-states (fitone.config)
+ROUNDING_OF_STATES = {"bf16": STOCHASTIC, "bf16-nearest": NEAREST, "bf16-kahan": NEAREST}  # --optimizer-states
+COMPENSATED = ("bf16-kahan",)  # the states that keep a bf16 compensation buffer beside the master (Kahan)
 # elements the reference steps per block: its five fp32, two int32 and one bool buffers stay in cache
 BLOCK_ELEMENTS = 2**18
 TABLE_SIZE = 2**20 + 7  # stochastic rounding's table of random bits (int32): not a power of two, 4 MiB
@@ -140,12 +143,14 @@ def round_to_bf16(x: torch.Tensor, out: torch.Tensor, bits: torch.Tensor | None,
 
 
 def _check(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, rounding: str,
-           bits: RandomBits | None) -> None:
+           bits: RandomBits | None, compensation: torch.Tensor | None) -> None:
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding must be one of {ROUNDINGS}, not {rounding!r}")
     if rounding == STOCHASTIC and bits is None:
         raise ValueError("stochastic rounding needs its RandomBits")
-    for t in (master, exp_avg, exp_avg_sq):
+    if compensation is not None and (rounding != NEAREST or compensation.numel() != master.numel()):
+        raise ValueError("the compensation holds the error of rounding to the nearest, one per master weight")
+    for t in (master, exp_avg, exp_avg_sq) + (() if compensation is None else (compensation,)):
         if t.dtype != torch.bfloat16:
             raise ValueError(f"the 16-bit step holds bf16 master weights and moments, not {t.dtype}")
 
@@ -154,7 +159,7 @@ def adamw_16bit(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.T
                 step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
                 grad_scale: float | None = None, adam_w_mode: bool = True, bias_correction: bool = True,
                 rounding: str = NEAREST, bits: RandomBits | None = None, group: int = 0, offset: int = 0,
-                work: Workspace | None = None) -> None:
+                compensation: torch.Tensor | None = None, work: Workspace | None = None) -> None:
     """One Adam(W) step, in place, on bf16 `master`, `exp_avg`, `exp_avg_sq` (one slice of a group's flat
     buffers starting at element `offset` of group `group`) from fp32 `grad` (read only), divided by
     `grad_scale` first. AdamW's arithmetic as PyTorch's AdamW writes it, each operation rounded to fp32:
@@ -162,9 +167,12 @@ def adamw_16bit(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.T
         p = p * (1 - lr * wd);  m = m * b1 + g * (1 - b1);  v = v * b2 + (g * g) * (1 - b2)
         p = p - (m / (sqrt(v) / sqrt(bc2) + eps)) * (lr / bc1)   with bc = 1 - b ** step
     then p, m and v rounded to bf16: to the nearest, or (STOCHASTIC) by `bits`' table (a RandomBits; keyed by
-    step, group and element index: the result does not depend on how a group is cut into slices). `work`:
-    the blocks to step through (one is made for this call without it)."""
-    _check(master, exp_avg, exp_avg_sq, rounding, bits)
+    step, group and element index: the result does not depend on how a group is cut into slices).
+    `compensation` (bf16, to the nearest only; Kahan summation): the weight is p + c, and after the step
+        master = bf16(p);  compensation = bf16(p - master)   (0 where that is infinite or NaN)
+    so what the rounding lost is added back next step. `work`: the blocks to step through (one is made for
+    this call without it)."""
+    _check(master, exp_avg, exp_avg_sq, rounding, bits, compensation)
     beta1, beta2 = betas
     bc1 = 1 - beta1 ** step if bias_correction else 1.0
     bc2_sqrt = math.sqrt(1 - beta2 ** step) if bias_correction else 1.0
@@ -180,6 +188,8 @@ def adamw_16bit(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.T
         if grad_scale is not None:
             g.div_(grad_scale)
         p.copy_(master[lo:hi])
+        if compensation is not None:
+            p.add_(t.copy_(compensation[lo:hi]))
         if weight_decay != 0:
             if adam_w_mode:
                 p.mul_(1 - lr * weight_decay)
@@ -189,7 +199,13 @@ def adamw_16bit(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.T
         v.copy_(exp_avg_sq[lo:hi]).mul_(beta2).add_(g.mul_(g).mul_(1 - beta2))
         torch.sqrt(v, out=t).div_(bc2_sqrt).add_(eps)
         p.sub_(g.copy_(m).div_(t).mul_(step_size))
+        if compensation is not None:  # the weight to the nearest, then what that lost (exact in fp32)
+            master[lo:hi].copy_(p)
+            p.sub_(t.copy_(master[lo:hi])).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+            compensation[lo:hi].copy_(p)
         for value, out, which in ((p, master, 0), (m, exp_avg, 1), (v, exp_avg_sq, 2)):
+            if which == 0 and compensation is not None:
+                continue
             drawn = None if offsets is None else bits.fill(work.bits[:k], offsets[which], offset + lo)
             round_to_bf16(value, out[lo:hi], drawn, work)
 
@@ -201,6 +217,7 @@ _SOURCE = Path(__file__).parent / "csrc" / "adam16.cpp"
 # (-fno-math-errno lets sqrt vectorize; it changes no result)
 _CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno", "-fopenmp"]
 _NO_TABLE = torch.empty(0, dtype=torch.int16)
+_NO_COMPENSATION = torch.empty(0, dtype=torch.bfloat16)
 _loaded: Any = None
 _loading = threading.Lock()
 
@@ -222,16 +239,17 @@ def fused_adamw_16bit(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: t
                       *, step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
                       grad_scale: float | None = None, adam_w_mode: bool = True, bias_correction: bool = True,
                       rounding: str = NEAREST, bits: RandomBits | None = None, group: int = 0,
-                      offset: int = 0) -> None:
+                      offset: int = 0, compensation: torch.Tensor | None = None) -> None:
     """`adamw_16bit`'s step in one pass (fitone/zero2/csrc/adam16.cpp), from a bf16, fp16 or fp32 `grad`
     read as it is: the same fp32 operations in the same order and the same random bits, without the blocks
-    (the GIL released meanwhile). All four tensors contiguous."""
-    _check(master, exp_avg, exp_avg_sq, rounding, bits)
+    (the GIL released meanwhile). All tensors contiguous."""
+    _check(master, exp_avg, exp_avg_sq, rounding, bits, compensation)
     beta1, beta2 = betas
     bc1 = 1 - beta1 ** step if bias_correction else 1.0
     bc2_sqrt = math.sqrt(1 - beta2 ** step) if bias_correction else 1.0
     tables = [bits.offset(step, group, k) for k in range(3)] if rounding == STOCHASTIC else [0, 0, 0]
-    fused_op().adamw_16bit(master, exp_avg, exp_avg_sq, grad, offset, grad_scale or 1.0, grad_scale is not None,
+    fused_op().adamw_16bit(master, exp_avg, exp_avg_sq, _NO_COMPENSATION if compensation is None else compensation,
+                           grad, offset, grad_scale or 1.0, grad_scale is not None,
                            1 - lr * weight_decay, weight_decay, adam_w_mode, weight_decay != 0, beta1, 1 - beta1,
                            beta2, 1 - beta2, bc2_sqrt, eps, lr / bc1, rounding == STOCHASTIC,
                            bits.extended if rounding == STOCHASTIC else _NO_TABLE, *tables)

@@ -141,7 +141,7 @@ class OverlappedStep:
         """Count this step in DeepSpeedCPUAdam's state for group i (creating its states as it would)."""
         master = self.opt.single_partition_of_fp32_groups[i]
         state = self.opt.optimizer.state[master]
-        if len(state) == 0:
+        if "step" not in state:  # (bf16-kahan's compensation is made with the update)
             state["step"] = 0
             state["exp_avg"] = torch.zeros_like(master.data)
             state["exp_avg_sq"] = torch.zeros_like(master.data)
@@ -188,10 +188,12 @@ class PipelinedUpdate(OverlappedStep):
     step, applied before `step` returns: DeepSpeed's own step would need a whole fp32 gradient. Without
     `host`, on DeepSpeed's own layout, its fp32 gradients are read and its own step runs first.
 
-    `states` 'bf16' or 'bf16-nearest' (on `host` only; DeepSpeed built with bf16_master_weights_and_grads and
-    bf16_optimizer_states): every step, the first ones too, is fitone.zero2.low_precision's fused step on the
-    bf16 master and moments, from the 16-bit gradients as they are (a chunk at a time, none widened), rounded
-    stochastically (bits keyed by `rounding_seed`) or to the nearest.
+    `states` 'bf16', 'bf16-nearest' or 'bf16-kahan' (on `host` only; DeepSpeed built with
+    bf16_master_weights_and_grads and bf16_optimizer_states): every step, the first ones too, is
+    fitone.zero2.low_precision's fused step on the bf16 master and moments, from the 16-bit gradients as they
+    are (a chunk at a time, none widened), rounded stochastically (bits keyed by `rounding_seed`), to the
+    nearest, or to the nearest with a bf16 compensation buffer (made here, in the optimizer's state, so that
+    checkpoints carry it).
 
     One process only: with several ranks the updated partitions would have to be all-gathered before any
     forward could use them. `model` is the engine's module (forward pre-hooks go on its submodules).
@@ -210,6 +212,7 @@ class PipelinedUpdate(OverlappedStep):
         self._bits = low_precision.RandomBits(rounding_seed) if self.rounding == low_precision.STOCHASTIC else None
         if self.rounding is not None:
             low_precision.fused_op()  # built here, on the first run of this machine, not in the update thread
+        self.compensated = states in low_precision.COMPENSATED
         bf16_master = optimizer.single_partition_of_fp32_groups[0].dtype == torch.bfloat16
         if (self.rounding is not None) != bf16_master or (bf16_master and host is None):
             self.close()
@@ -224,6 +227,8 @@ class PipelinedUpdate(OverlappedStep):
                              f"widened slices of a multiple of {SIMD_BLOCK} elements, chunks at most the "
                              f"layout's {host.chunk_elements}")
         self.host = host
+        for master in optimizer.single_partition_of_fp32_groups if self.compensated else []:
+            optimizer.optimizer.state[master]["compensation"] = torch.zeros_like(master.data)
         self.chunks = self._plan_chunks(chunk_elements)  # per group: chunk ends (exclusive), ascending
         self.ready: list[list[threading.Event]] = []  # per group and chunk: set by the thread when uploaded
         self.uploaded: list[list[Any]] = []  # per group and chunk: a CUDA event (None on the CPU)
@@ -350,12 +355,13 @@ class PipelinedUpdate(OverlappedStep):
         adam = self.opt.optimizer
         master = self.opt.single_partition_of_fp32_groups[i]
         state = adam.state[master]
+        compensation = state["compensation"][lo:hi] if self.compensated else None
         low_precision.fused_adamw_16bit(master.data[lo:hi], state["exp_avg"][lo:hi], state["exp_avg_sq"][lo:hi],
                                         grad, step=step, lr=hyper["lr"], betas=hyper["betas"], eps=hyper["eps"],
                                         weight_decay=hyper["weight_decay"], grad_scale=scale,
                                         adam_w_mode=getattr(adam, "adam_w_mode", True),
                                         bias_correction=hyper["bias_correction"], rounding=self.rounding,
-                                        bits=self._bits, group=i, offset=lo)
+                                        bits=self._bits, group=i, offset=lo, compensation=compensation)
 
     def _cpu_update(self, kernel: Any, grads: list[torch.Tensor] | None, scale: Any, hyper: list[dict[str, Any]],
                     steps: list[int], backward_done: Any) -> dict[str, float]:

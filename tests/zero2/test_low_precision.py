@@ -1,4 +1,5 @@
-"""The 16-bit optimizer states' AdamW step (fitone.zero2.low_precision) against a float64 reference."""
+"""The 16-bit optimizer states' AdamW step (fitone.zero2.low_precision) against a float64 reference: rounded
+to the nearest, stochastically, or to the nearest with a compensation buffer (Kahan summation)."""
 
 from __future__ import annotations
 
@@ -103,24 +104,81 @@ def test_stochastic_rounding_keeps_updates_far_below_bf16_spacing_that_nearest_l
     assert finals[STOCHASTIC].std().item() > 0  # each element's own bits: not all rounded alike
 
 
-def _stepped_in_pieces(step, n: int, cuts: list[int], n_threads: int, **kwargs) -> tuple[torch.Tensor, ...]:
+def _compensation(master: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """A compensation such as steps leave: below half the master's bf16 spacing, either sign."""
+    g = torch.Generator().manual_seed(seed)
+    return (master.double() * (torch.rand(master.numel(), generator=g, dtype=torch.float64) - 0.5) / 256).bfloat16()
+
+
+@pytest.mark.parametrize("grad_scale", [None, 3.0])
+def test_with_compensation_master_plus_compensation_is_the_float64_step_of_their_sum(grad_scale):
+    """Kahan summation: the step starts from p + c and ends with p the nearest bf16 and c what that lost, so
+    p + c carries ~16 significant bits of the weight where p alone has 8."""
+    master, exp_avg, exp_avg_sq, grad = _states(50_000, seed=3)
+    compensation = _compensation(master)
+    start = (master.float() + compensation.float()).double()  # what the step widens: one fp32 addition
+    want = reference(start, exp_avg, exp_avg_sq, grad, step=5, grad_scale=grad_scale, **HYPER)
+    operands = _operands(start, exp_avg, exp_avg_sq, grad)
+    adamw_16bit(master, exp_avg, exp_avg_sq, grad, step=5, grad_scale=grad_scale, compensation=compensation,
+                **HYPER)
+    exact = want[0]
+    assert torch.all((master.double() - exact).abs() <= _bound(exact, operands[0]))  # p: its nearest bf16
+    assert (master == exact.bfloat16()).float().mean() > 0.999
+    carried = master.double() + compensation.double()
+    # p + c: within one bf16 spacing of c (c is under half p's spacing: 2**-8 of it) plus fp32's roundings
+    assert torch.all((carried - exact).abs() <= _spacing(exact) / 2**8 + 2.0**-21 * operands[0])
+    assert (carried - exact).abs().mean() < (master.double() - exact).abs().mean() / 50  # far closer than p
+    for got, ref, ops in zip((exp_avg, exp_avg_sq), want[1:], operands[1:]):  # the moments: to the nearest
+        assert torch.all((got.double() - ref).abs() <= _bound(ref, ops))
+
+
+def _compensated_small_steps(step, steps: int, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`steps` compensated steps of `step` on weights of 1.0 with betas 0: each update is lr exactly (m = g = 1,
+    v = 1, no bias correction to speak of), so only the weight's rounding is under test. (master, compensation)"""
+    n = 4096
+    master = torch.ones(n, dtype=torch.bfloat16)
+    exp_avg, exp_avg_sq, compensation = (torch.zeros_like(master) for _ in range(3))
+    grad = torch.ones(n, dtype=torch.bfloat16)
+    for k in range(1, steps + 1):
+        step(master, exp_avg, exp_avg_sq, grad, step=k, lr=lr, betas=(0.0, 0.0), eps=1e-8, weight_decay=0.0,
+             compensation=compensation)
+    return master.double(), compensation.double()
+
+
+def test_compensation_keeps_updates_far_below_bf16_spacing_that_nearest_loses():
+    """The small-updates case above: each step's lr, a fortieth of the weight's spacing, accumulates in the
+    compensation until it moves the weight, deterministically (no bits). What is lost is the compensation's
+    own rounding, at most 2**-18 a step below 1 (half its spacing, |c| < 2**-9): against nearest's 0.1."""
+    steps, lr = 1000, 1e-4
+    master, compensation = _compensated_small_steps(adamw_16bit, steps, lr)
+    assert torch.all((master + compensation - (1 - steps * lr)).abs() <= steps * 2.0**-18)
+    assert torch.all((master - (1 - steps * lr)).abs() <= 2.0**-8)  # the weight itself moved, to ~0.9
+
+
+def _stepped_in_pieces(step, n: int, cuts: list[int], n_threads: int, compensated: bool = False,
+                       **kwargs) -> tuple[torch.Tensor, ...]:
     """One stochastic step of `step` (either implementation) over n elements, slice by slice at `cuts`, on
-    `n_threads` threads: the master's, m's and v's bf16 patterns."""
+    `n_threads` threads: the master's, m's and v's bf16 patterns (`compensated`: a step to the nearest with a
+    compensation, whose patterns come last)."""
     threads = torch.get_num_threads()
     master, exp_avg, exp_avg_sq, grad = _states(n, seed=2)
+    compensation = _compensation(master, seed=2) if compensated else None
     bits = RandomBits(9)
     try:
         torch.set_num_threads(n_threads)
         for lo, hi in zip(cuts, cuts[1:]):
-            step(master[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], grad[lo:hi], step=2, offset=lo,
-                 rounding=STOCHASTIC, bits=bits, group=1, **HYPER, **kwargs)
+            rounding = dict(compensation=compensation[lo:hi]) if compensated else dict(rounding=STOCHASTIC)
+            step(master[lo:hi], exp_avg[lo:hi], exp_avg_sq[lo:hi], grad[lo:hi], step=2, offset=lo, bits=bits,
+                 group=1, **rounding, **HYPER, **kwargs)
     finally:
         torch.set_num_threads(threads)
-    return tuple(t.view(torch.int16) for t in (master, exp_avg, exp_avg_sq))
+    held = (master, exp_avg, exp_avg_sq) + ((compensation,) if compensated else ())
+    return tuple(t.view(torch.int16) for t in held)
 
 
-def test_the_bits_do_not_depend_on_slicing_block_size_or_thread_count():
-    runs = [_stepped_in_pieces(adamw_16bit, 40_000, cuts, n_threads, work=Workspace(block))
+@pytest.mark.parametrize("compensated", [False, True])
+def test_the_bits_do_not_depend_on_slicing_block_size_or_thread_count(compensated):
+    runs = [_stepped_in_pieces(adamw_16bit, 40_000, cuts, n_threads, compensated, work=Workspace(block))
             for n_threads, block, cuts in ((1, None, [0, 40_000]), (2, 1000, [0, 12_345, 40_000]),
                                            (torch.get_num_threads(), 4096, [0, 30_000, 40_000]))]
     assert all(torch.equal(a, b) for other in runs[1:] for a, b in zip(runs[0], other))
@@ -149,6 +207,23 @@ def test_an_infinite_or_nan_value_stays_so_under_stochastic_rounding():
     assert exp_avg[0].isinf() and exp_avg_sq[0].isinf() and master[1].isnan() and master[2].isfinite()
 
 
+def _nonfinite_compensated(step) -> tuple[torch.Tensor, ...]:
+    """One compensated step of `step` from an infinite, a NaN and a finite gradient."""
+    master = torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16)
+    exp_avg, exp_avg_sq, compensation = (torch.zeros_like(master) for _ in range(3))
+    step(master, exp_avg, exp_avg_sq, torch.tensor([math.inf, math.nan, 1.0]), step=1, compensation=compensation,
+         **HYPER)
+    return master, exp_avg, exp_avg_sq, compensation
+
+
+def test_a_nan_weight_stays_nan_and_its_compensation_zero():
+    """The compensation is 0 where the weight is not finite (it would be NaN: inf - inf): the weight alone says
+    what happened, as without compensation."""
+    master, exp_avg, exp_avg_sq, compensation = _nonfinite_compensated(adamw_16bit)
+    assert exp_avg[0].isinf() and master[0].isnan() and master[1].isnan() and master[2].isfinite()
+    assert compensation[0] == 0 and compensation[1] == 0 and compensation[2].isfinite()
+
+
 def test_other_dtypes_and_roundings_are_refused():
     master = torch.zeros(4)
     with pytest.raises(ValueError, match="bf16"):
@@ -158,6 +233,13 @@ def test_other_dtypes_and_roundings_are_refused():
         adamw_16bit(m16, m16.clone(), m16.clone(), master, step=1, rounding="up", **HYPER)
     with pytest.raises(ValueError, match="RandomBits"):
         adamw_16bit(m16, m16.clone(), m16.clone(), master, step=1, rounding=STOCHASTIC, **HYPER)
+    with pytest.raises(ValueError, match="compensation holds the error of rounding to the nearest"):
+        adamw_16bit(m16, m16.clone(), m16.clone(), master, step=1, rounding=STOCHASTIC, bits=RandomBits(0),
+                    compensation=m16.clone(), **HYPER)
+    with pytest.raises(ValueError, match="one per master weight"):
+        adamw_16bit(m16, m16.clone(), m16.clone(), master, step=1, compensation=m16[:2].clone(), **HYPER)
+    with pytest.raises(ValueError, match="bf16"):
+        adamw_16bit(m16, m16.clone(), m16.clone(), master, step=1, compensation=master.clone(), **HYPER)
 
 
 # -- the fused step (fitone/zero2/csrc/adam16.cpp), what the pipelined update runs -------------------------------
@@ -166,35 +248,50 @@ def _bf16_steps_apart(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
 
 
+KAHAN = "nearest, compensated"  # a test parameter: rounding to the nearest with a compensation buffer
+
+
 @pytest.mark.numeric
-@pytest.mark.parametrize("rounding", [NEAREST, STOCHASTIC])
+@pytest.mark.parametrize("rounding", [NEAREST, STOCHASTIC, KAHAN])
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("extra", [dict(), dict(grad_scale=3.0), dict(adam_w_mode=False)])
 def test_the_fused_step_is_the_reference_step_to_its_rounding(rounding, grad_dtype, extra):
     """Its fp32 operations are the reference's, one IEEE rounding each in the same order, with the same bits.
     PyTorch's kernels behind the reference may round an operation differently (its division by a Python
-    scalar does, in rare cases), so a value may be the other bf16 neighbour, and that rarely."""
+    scalar does, in rare cases), so a value may be the other bf16 neighbour, and that rarely. Where the
+    master is, its compensation (what the rounding lost) is another number: there p + c agrees instead."""
     from fitone.zero2.low_precision import fused_adamw_16bit
 
     n = 200_003  # not a multiple of the fused loop's block
     master, exp_avg, exp_avg_sq, grad = _states(n, seed=4)
     grad = grad.to(grad_dtype)
     before = grad.clone()
-    hyper = dict(step=6, rounding=rounding, bits=RandomBits(2), group=1, offset=777, **HYPER, **extra)
-    want = [t.clone() for t in (master, exp_avg, exp_avg_sq)]
-    adamw_16bit(*want, grad.float(), **hyper)
-    fused_adamw_16bit(master, exp_avg, exp_avg_sq, grad, **hyper)
+    compensation = _compensation(master, seed=4) if rounding == KAHAN else None
+    operand = master.double().abs()
+    hyper = dict(step=6, rounding=NEAREST if rounding == KAHAN else rounding, bits=RandomBits(2), group=1,
+                 offset=777, **HYPER, **extra)
+    held = (master, exp_avg, exp_avg_sq) + ((compensation,) if rounding == KAHAN else ())
+    want = [t.clone() for t in held]
+    adamw_16bit(*want[:3], grad.float(), compensation=want[3] if rounding == KAHAN else None, **hyper)
+    fused_adamw_16bit(master, exp_avg, exp_avg_sq, grad, compensation=compensation, **hyper)
     assert torch.equal(grad, before)  # read only, in its own dtype
     for got, ref in zip((master, exp_avg, exp_avg_sq), want):
         apart = _bf16_steps_apart(got, ref)
         assert int(apart.max()) <= 1 and (apart == 0).float().mean() > 0.9999
+    if rounding == KAHAN:
+        assert (compensation == want[3]).float().mean() > 0.9999
+        carried, ref_carried = (p.double() + c.double() for p, c in ((master, compensation), want[::3]))
+        # where fp32's p was an ulp or so off (of the operands: the weight before), c is one of its own bf16
+        # spacings off: p + c holds ~16 bits of the weight
+        assert torch.all((carried - ref_carried).abs() <= _spacing(want[3].double()) + 2.0**-21 * operand)
 
 
 @pytest.mark.numeric
-def test_the_fused_steps_bits_do_not_depend_on_slicing_or_thread_count():
+@pytest.mark.parametrize("compensated", [False, True])
+def test_the_fused_steps_bits_do_not_depend_on_slicing_or_thread_count(compensated):
     from fitone.zero2.low_precision import fused_adamw_16bit
 
-    runs = [_stepped_in_pieces(fused_adamw_16bit, 300_000, cuts, n_threads)  # cuts inside the op's blocks too
+    runs = [_stepped_in_pieces(fused_adamw_16bit, 300_000, cuts, n_threads, compensated)  # cuts inside blocks too
             for n_threads, cuts in ((1, [0, 300_000]), (2, [0, 4095, 123_457, 300_000]), (2, [0, 300_000]))]
     assert all(torch.equal(a, b) for other in runs[1:] for a, b in zip(runs[0], other))
 
@@ -221,6 +318,20 @@ def test_the_fused_step_keeps_small_updates_stochastically_and_infinities_as_the
     fused_adamw_16bit(master, exp_avg, exp_avg_sq, torch.tensor([math.inf, math.nan, 1.0]), step=1,
                       rounding=STOCHASTIC, bits=bits, **HYPER)
     assert exp_avg[0].isinf() and exp_avg_sq[0].isinf() and master[1].isnan() and master[2].isfinite()
+
+
+def test_the_fused_step_compensates_small_updates_and_zeroes_a_nonfinite_compensation():
+    """Kahan summation in the fused step where it matters most: lr far below bf16's spacing moves the weights
+    to where fp32 would have them, as the reference does; a NaN weight gets a compensation of 0."""
+    from fitone.zero2.low_precision import fused_adamw_16bit
+
+    steps, lr = 500, 1e-4
+    master, compensation = _compensated_small_steps(fused_adamw_16bit, steps, lr)
+    assert torch.all((master + compensation - (1 - steps * lr)).abs() <= steps * 2.0**-18)
+    assert torch.all((master - (1 - steps * lr)).abs() <= 2.0**-8)
+    fused, ref = _nonfinite_compensated(fused_adamw_16bit), _nonfinite_compensated(adamw_16bit)
+    assert all(torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+               for a, b in zip(fused, ref))
 
 
 def test_the_fused_step_is_built_once_and_says_so_in_one_line(tmp_path):

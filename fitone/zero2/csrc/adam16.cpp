@@ -1,7 +1,8 @@
 // fitone's fused AdamW step on 16-bit optimizer states (fitone/zero2/low_precision.py says the arithmetic).
 //
 // One pass per element: the bf16 master, bf16 moments and the gradient (bf16, fp16 or fp32) are read once,
-// stepped in fp32 and written back rounded to bf16, to the nearest or stochastically. Every operation is one
+// stepped in fp32 and written back rounded to bf16: to the nearest, stochastically, or to the nearest with a
+// bf16 compensation buffer (Kahan summation: it holds what rounding the weight lost). Every operation is one
 // IEEE fp32 operation in the order low_precision.adamw_16bit (the reference) writes it; the build passes
 // -ffp-contract=off, so no compiler fuses a multiply and an add into an FMA on one instruction set and not on
 // another: the bits depend neither on the SIMD level nor on the thread count (elementwise, no reductions).
@@ -40,6 +41,8 @@ inline uint32_t pattern(float f)
     return u;
 }
 
+inline bool finite(uint32_t u) { return (u & 0x7FFFFFFFu) < 0x7F800000u; }
+
 // round to the nearest bf16, ties to even (c10::BFloat16's rounding); a NaN stays a NaN
 inline uint16_t nearest(uint32_t u)
 {
@@ -66,11 +69,12 @@ struct Hyper {
 };
 
 enum Decay { NO_DECAY, ADAMW_DECAY, ADAM_DECAY };
+enum Rounding { TO_NEAREST, STOCHASTIC, COMPENSATED };  // COMPENSATED: to the nearest, the error kept in C
 
 // one block of elements [lo, hi): the choices are template arguments, so the loop has no branch but selects
 // and the compiler vectorizes it
-template <typename grad_t, bool SCALE, Decay DECAY, bool STOCHASTIC>
-void block(uint16_t* __restrict__ P, uint16_t* __restrict__ M, uint16_t* __restrict__ V,
+template <typename grad_t, bool SCALE, Decay DECAY, Rounding R>
+void block(uint16_t* __restrict__ P, uint16_t* __restrict__ M, uint16_t* __restrict__ V, uint16_t* __restrict__ C,
            const grad_t* __restrict__ G, int64_t lo, int64_t hi, const Hyper& h)
 {
     const uint32_t j0 = uint32_t((h.offset + lo + h.table[0]) % TABLE_SIZE);
@@ -80,14 +84,16 @@ void block(uint16_t* __restrict__ P, uint16_t* __restrict__ M, uint16_t* __restr
     const float beta2 = h.beta2, omb2 = h.one_minus_beta2, bc2 = h.bc2_sqrt, eps = h.eps, step = h.step_size;
     const int32_t n = int32_t(hi - lo);
     // j < TABLE_SIZE and n <= BLOCK: within the table
-    const uint16_t* __restrict__ T0 = STOCHASTIC ? h.bits + j0 : nullptr;  
-    const uint16_t* __restrict__ T1 = STOCHASTIC ? h.bits + j1 : nullptr;
-    const uint16_t* __restrict__ T2 = STOCHASTIC ? h.bits + j2 : nullptr;
+    const uint16_t* __restrict__ T0 = R == STOCHASTIC ? h.bits + j0 : nullptr;
+    const uint16_t* __restrict__ T1 = R == STOCHASTIC ? h.bits + j1 : nullptr;
+    const uint16_t* __restrict__ T2 = R == STOCHASTIC ? h.bits + j2 : nullptr;
     P += lo, M += lo, V += lo, G += lo;
+    if (R == COMPENSATED) C += lo;
     for (int32_t k = 0; k < n; ++k) {
         float g = widen(G[k]);
         if (SCALE) g = g / scale;
         float p = widen(P[k]);
+        if (R == COMPENSATED) p = p + widen(C[k]);
         if (DECAY == ADAMW_DECAY) p = p * decay;
         if (DECAY == ADAM_DECAY) g = g + p * wd;
         float m = widen(M[k]) * beta1;
@@ -103,10 +109,17 @@ void block(uint16_t* __restrict__ P, uint16_t* __restrict__ M, uint16_t* __restr
         float u = m / t;
         u = u * step;
         p = p - u;
-        if (STOCHASTIC) {
+        if (R == STOCHASTIC) {
             P[k] = stochastic(pattern(p), T0[k]);
             M[k] = stochastic(pattern(m), T1[k]);
             V[k] = stochastic(pattern(v), T2[k]);
+        } else if (R == COMPENSATED) {
+            const uint16_t q = nearest(pattern(p));
+            const float c = p - widen(q);  // exact: what rounding to the nearest lost
+            P[k] = q;
+            C[k] = finite(pattern(c)) ? nearest(pattern(c)) : uint16_t(0);
+            M[k] = nearest(pattern(m));
+            V[k] = nearest(pattern(v));
         } else {
             P[k] = nearest(pattern(p));
             M[k] = nearest(pattern(m));
@@ -115,37 +128,41 @@ void block(uint16_t* __restrict__ P, uint16_t* __restrict__ M, uint16_t* __restr
     }
 }
 
-template <typename grad_t, bool SCALE, Decay DECAY, bool STOCHASTIC>
-void run(uint16_t* P, uint16_t* M, uint16_t* V, const grad_t* G, int64_t n, const Hyper& h)
+template <typename grad_t, bool SCALE, Decay DECAY, Rounding R>
+void run(uint16_t* P, uint16_t* M, uint16_t* V, uint16_t* C, const grad_t* G, int64_t n, const Hyper& h)
 {
     // 16 blocks a task at least: a small slice runs on the calling thread
     at::parallel_for(0, (n + BLOCK - 1) / BLOCK, 16, [&](int64_t first, int64_t last) {
         for (int64_t b = first; b < last; ++b)
-            block<grad_t, SCALE, DECAY, STOCHASTIC>(P, M, V, G, b * BLOCK, std::min(n, (b + 1) * BLOCK), h);
+            block<grad_t, SCALE, DECAY, R>(P, M, V, C, G, b * BLOCK, std::min(n, (b + 1) * BLOCK), h);
     });
 }
 
 template <typename grad_t, bool SCALE, Decay DECAY>
-void dispatch(uint16_t* P, uint16_t* M, uint16_t* V, const grad_t* G, int64_t n, const Hyper& h, bool stochastic)
+void dispatch(uint16_t* P, uint16_t* M, uint16_t* V, uint16_t* C, const grad_t* G, int64_t n, const Hyper& h,
+              Rounding r)
 {
-    stochastic ? run<grad_t, SCALE, DECAY, true>(P, M, V, G, n, h) : run<grad_t, SCALE, DECAY, false>(P, M, V, G, n, h);
+    if (r == STOCHASTIC) return run<grad_t, SCALE, DECAY, STOCHASTIC>(P, M, V, C, G, n, h);
+    if (r == COMPENSATED) return run<grad_t, SCALE, DECAY, COMPENSATED>(P, M, V, C, G, n, h);
+    run<grad_t, SCALE, DECAY, TO_NEAREST>(P, M, V, C, G, n, h);
 }
 
 template <typename grad_t>
-void dispatch(uint16_t* P, uint16_t* M, uint16_t* V, const grad_t* G, int64_t n, const Hyper& h, bool scale,
-              Decay decay, bool stochastic)
+void dispatch(uint16_t* P, uint16_t* M, uint16_t* V, uint16_t* C, const grad_t* G, int64_t n, const Hyper& h,
+              bool scale, Decay decay, Rounding r)
 {
     if (scale) {
-        if (decay == ADAMW_DECAY) return dispatch<grad_t, true, ADAMW_DECAY>(P, M, V, G, n, h, stochastic);
-        if (decay == ADAM_DECAY) return dispatch<grad_t, true, ADAM_DECAY>(P, M, V, G, n, h, stochastic);
-        return dispatch<grad_t, true, NO_DECAY>(P, M, V, G, n, h, stochastic);
+        if (decay == ADAMW_DECAY) return dispatch<grad_t, true, ADAMW_DECAY>(P, M, V, C, G, n, h, r);
+        if (decay == ADAM_DECAY) return dispatch<grad_t, true, ADAM_DECAY>(P, M, V, C, G, n, h, r);
+        return dispatch<grad_t, true, NO_DECAY>(P, M, V, C, G, n, h, r);
     }
-    if (decay == ADAMW_DECAY) return dispatch<grad_t, false, ADAMW_DECAY>(P, M, V, G, n, h, stochastic);
-    if (decay == ADAM_DECAY) return dispatch<grad_t, false, ADAM_DECAY>(P, M, V, G, n, h, stochastic);
-    return dispatch<grad_t, false, NO_DECAY>(P, M, V, G, n, h, stochastic);
+    if (decay == ADAMW_DECAY) return dispatch<grad_t, false, ADAMW_DECAY>(P, M, V, C, G, n, h, r);
+    if (decay == ADAM_DECAY) return dispatch<grad_t, false, ADAM_DECAY>(P, M, V, C, G, n, h, r);
+    return dispatch<grad_t, false, NO_DECAY>(P, M, V, C, G, n, h, r);
 }
 
-void adamw_16bit(torch::Tensor master, torch::Tensor exp_avg, torch::Tensor exp_avg_sq, torch::Tensor grad,
+void adamw_16bit(torch::Tensor master, torch::Tensor exp_avg, torch::Tensor exp_avg_sq, torch::Tensor compensation,
+                 torch::Tensor grad,
                  int64_t offset, double scale, bool has_scale, double decay, double wd, bool adamw, bool has_wd,
                  double beta1, double one_minus_beta1, double beta2, double one_minus_beta2, double bc2_sqrt,
                  double eps, double step_size, bool stochastic_rounding, torch::Tensor table, int64_t table0,
@@ -168,21 +185,27 @@ void adamw_16bit(torch::Tensor master, torch::Tensor exp_avg, torch::Tensor exp_
                     "stochastic rounding reads RandomBits.extended (int16, TABLE_SIZE + BLOCK entries)");
         h.bits = reinterpret_cast<const uint16_t*>(table.data_ptr());
     }
+    const bool compensated = compensation.numel() > 0;
+    TORCH_CHECK(!compensated || !stochastic_rounding, "the compensation goes with rounding to the nearest");
+    if (compensated)
+        TORCH_CHECK(compensation.scalar_type() == torch::kBFloat16 && compensation.is_contiguous() &&
+                        compensation.device().is_cpu() && compensation.numel() == n,
+                    "the compensation must be a contiguous bf16 CPU tensor of the master's length");
+    const Rounding r = stochastic_rounding ? STOCHASTIC : compensated ? COMPENSATED : TO_NEAREST;
     const Decay how = !has_wd ? NO_DECAY : adamw ? ADAMW_DECAY : ADAM_DECAY;
     auto* P = reinterpret_cast<uint16_t*>(master.data_ptr());
     auto* M = reinterpret_cast<uint16_t*>(exp_avg.data_ptr());
     auto* V = reinterpret_cast<uint16_t*>(exp_avg_sq.data_ptr());
+    auto* C = compensated ? reinterpret_cast<uint16_t*>(compensation.data_ptr()) : nullptr;
     switch (grad.scalar_type()) {
         case torch::kBFloat16:
-            dispatch(P, M, V, reinterpret_cast<const uint16_t*>(grad.data_ptr()), n, h, has_scale, how,
-                     stochastic_rounding);
+            dispatch(P, M, V, C, reinterpret_cast<const uint16_t*>(grad.data_ptr()), n, h, has_scale, how, r);
             break;
         case torch::kHalf:
-            dispatch(P, M, V, reinterpret_cast<const _Float16*>(grad.data_ptr()), n, h, has_scale, how,
-                     stochastic_rounding);
+            dispatch(P, M, V, C, reinterpret_cast<const _Float16*>(grad.data_ptr()), n, h, has_scale, how, r);
             break;
         case torch::kFloat:
-            dispatch(P, M, V, grad.data_ptr<float>(), n, h, has_scale, how, stochastic_rounding);
+            dispatch(P, M, V, C, grad.data_ptr<float>(), n, h, has_scale, how, r);
             break;
         default: TORCH_CHECK(false, "the gradient must be bf16, fp16 or fp32, not ", grad.scalar_type());
     }
