@@ -27,8 +27,8 @@ class Engine:
                  pipelined: bool = False, states: str = "fp32", rounding_seed: int = 0):
         """delayed_after: start the one-step delayed parameter update after that many plain steps;
         pipelined: the pipelined update from the second step, on the lean host layout (fitone.zero2);
-        states: its optimizer state in 16 bits ('bf16', 'bf16-nearest', 'bf16-kahan': `ds_config` has DeepSpeed's bf16 master
-        weights and states), rounded with `rounding_seed`. Default: DeepSpeed's step. A run's
+        states: its optimizer state in 16 bits ('bf16', 'bf16-nearest', 'bf16-kahan': `ds_config` has
+        DeepSpeed's bf16 master weights and states), rounded with `rounding_seed`. Default: DeepSpeed's step. A run's
         StepMode.engine_options() gives them all."""
         import deepspeed
 
