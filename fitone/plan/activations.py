@@ -11,10 +11,6 @@ from fitone.plan.shape import ModelShape
 # layer's saved tensors (fitted to the checkpointed t5-3b runs at 128/128 and 256/64, within 2%).
 BACKWARD_TRANSIENT_FF = 0.75
 
-# The causal LM's own loss measured on a GPU: llama-7b at 16 x 2 x 512, 18.11 GiB, 7.2 B per logit beyond the
-# layers' kept inputs, where three fp32 logit-sized tensors would be 12 (bench/results/2026-12-02b-gpu/).
-PLAIN_LOSS_RUN = "bench/results/2026-12-02b-gpu/call3/llama-7b-loss/"
-
 # ff-sized tensors an activation function saves for its backward (HF's ACT2FN implementations).
 _ACT_SAVED = {"relu": 1, "gelu": 1, "gelu_pytorch_tanh": 1, "silu": 1, "swish": 1, "quick_gelu": 2,
               "gelu_new": 4, "gelu_fast": 5}
@@ -103,17 +99,17 @@ def activation_bytes(s: ModelShape, *, precision: str, checkpointing: bool, leng
             enc, head_e = _decoder_layer(s, a)
             dec = enc + 6 * a * s.hidden + 2 * a * s.hidden * lengths.src / lengths.tgt + 4 * s.heads
             head_d = head_e + a * s.hidden
-        loss_dtype = a
+        loss_dtype, loss_grad_copies = a, 2  # the log-softmax's incoming gradient and the logits' gradient
         src, tgt = lengths.src, lengths.tgt
         l_enc, l_dec = s.layers, s.decoder_layers
     else:
         dec, head_d = _decoder_layer(s, a)
         enc, head_e, src, l_enc = 0.0, 0.0, 0, 0
-        loss_dtype, tgt, l_dec = 4, lengths.tgt, s.layers
+        # a causal LM's fp32 loss holds one fp32 gradient at its peak: llama-7b's own loss measured 7.2 B a logit
+        # beyond the layers' kept inputs, where two gradients would make 12 (bench/results/2026-12-02b-gpu/call3/)
+        loss_dtype, loss_grad_copies, tgt, l_dec = 4, 1, lengths.tgt, s.layers
     lsm = loss_dtype * s.vocab * tgt  # log-softmax output kept for the loss backward
-    loss_grads = 2 * loss_dtype * s.vocab * tgt  # its incoming gradient and the logits' gradient
-    if not (s.family == "t5" or s.encoder_decoder):  # a causal LM's fp32 loss: one fp32 gradient at its peak
-        loss_grads = loss_dtype * s.vocab * tgt  # (llama-7b, the model's own loss: PLAIN_LOSS_RUN)
+    loss_grads = loss_grad_copies * loss_dtype * s.vocab * tgt
     if fused_loss and not (s.family == "t5" or s.encoder_decoder):
         lsm = a * s.hidden * tgt  # the labelled hidden states, gathered
         loss_grads = a * s.hidden * tgt + (8 * s.hidden * tgt if fused_loss == "liger" else 0)

@@ -171,7 +171,7 @@ def test_checkpointing_lowers_activation_bytes():
 
 def test_causal_lm_logits_are_counted_at_the_vocab_size():
     # the fp32 log-softmax and its gradient: at least 2 x 4 B x vocab per token, the largest term for GPT-2
-    # (llama-7b's own loss measured 7.2 B a logit: activations.PLAIN_LOSS_RUN)
+    # (llama-7b's own loss measured 7.2 B a logit: bench/results/2026-12-02b-gpu/call3/)
     p = plan(model="gpt2", from_scratch=True, seq_len=1024, gpu_mem="80GiB", host_mem="64GiB")
     assert p.activation_per_sample_ckpt > 2 * 4 * 50257 * 1024
 
