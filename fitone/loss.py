@@ -47,14 +47,14 @@ FUSED_LOSS_TYPES: dict[str, str | None] = {
 FUSED_MIN_VOCAB_GPU = 65_536
 
 
-def fused_loss_backend(config: Any, *, device: str, precision: str) -> str | None:
+def fused_loss_backend(config: Any, *, device: str, precision: str, by_vocab: bool = True) -> str | None:
     """The fused loss a causal LM with this config trains with ('liger' or 'chunked'), or None where it keeps
     its own forward (a model type not in FUSED_LOSS_TYPES, one that adds its router's auxiliary loss, or a
-    small vocabulary on a GPU)."""
+    small vocabulary on a GPU; `by_vocab=False`: whatever the vocabulary)."""
     return backend_for(getattr(config, "model_type", ""), device=device, precision=precision,
                        encoder_decoder=bool(getattr(config, "is_encoder_decoder", False)),
                        router_loss=bool(getattr(config, "output_router_logits", False)),
-                       vocab_size=getattr(config, "vocab_size", None))
+                       vocab_size=getattr(config, "vocab_size", None) if by_vocab else None)
 
 
 def small_vocab_on_gpu(vocab_size: int | None, device: str) -> bool:
@@ -62,15 +62,14 @@ def small_vocab_on_gpu(vocab_size: int | None, device: str) -> bool:
     return device == "cuda" and vocab_size is not None and vocab_size < FUSED_MIN_VOCAB_GPU
 
 
-def note(config: Any, backend: str | None, *, device: str, enabled: bool) -> str | None:
+def note(config: Any, backend: str | None, *, device: str, precision: str, enabled: bool) -> str | None:
     """The run's line on which loss it trains with, where that is not the model's own by the user's choice."""
     if backend is not None:
         return (f"loss: the LM head and cross-entropy fused ({DESCRIPTIONS[backend]}), so no [tokens, vocab] "
                 "logits are kept; --no-fused-loss for the model's own")
-    vocab = getattr(config, "vocab_size", None)
-    if enabled and getattr(config, "model_type", "") in FUSED_LOSS_TYPES and small_vocab_on_gpu(vocab, device):
-        return (f"loss: the model's own: a {vocab:,}-token vocabulary's logits are small, and on a GPU the fused "
-                f"loss is for vocabularies of {FUSED_MIN_VOCAB_GPU:,} tokens or more")
+    if enabled and fused_loss_backend(config, device=device, precision=precision, by_vocab=False) is not None:
+        return (f"loss: the model's own: a {config.vocab_size:,}-token vocabulary's logits are small, and on a GPU "
+                f"the fused loss is for vocabularies of {FUSED_MIN_VOCAB_GPU:,} tokens or more")
     return None
 
 

@@ -167,7 +167,8 @@ class Trainer:
                                                               config=run.model_config, tokenizer=tokenizer))
         for note in loaded.notes:  # an LM head added, a vision tower left out
             self._say(note)
-        note = fused_loss.note(loaded.model.config, backend, device=run.device, enabled=cfg.fused_loss)
+        note = fused_loss.note(loaded.model.config, backend, device=run.device, precision=run.precision,
+                               enabled=cfg.fused_loss)
         if note:
             self._say(note)
         return loaded
@@ -299,12 +300,7 @@ class Trainer:
         if not self.policy.state_is_good:
             raise TrainingAborted(f"{why} at step {step}; not saved, because the last step's loss was NaN/inf"
                                   f"{self._last_good()}")
-        short = self.policy.save_short(checkpoint.save_host_bytes(self.engine)) or _disk_short(
-            self.engine, self.run, self.out, self.policy)
-        if short:  # stop without the save: killed mid-save, the run would end the same, with less said
-            raise TrainingAborted(f"{why} at step {step}; not saved, because {short}{self._last_good()}")
-        self._say(f"{why}: saving a checkpoint at step {step}, then stopping (a second Ctrl-C quits at once)")
-        path = self._save()
+        path = self._save(stopping=why)
         raise TrainingAborted(f"{why} at step {step}; checkpoint saved to {path}; continue with the same command "
                               "plus --resume")
 
@@ -317,19 +313,25 @@ class Trainer:
         last = checkpoint.latest(self.out) if self.out else None
         return f"; the last good checkpoint is {last}: add --resume to continue from it" if last else ""
 
-    def _save(self) -> Path | None:
-        """This step's checkpoint (the one already written, if any); a save the host cannot hold is not started:
-        the run stops, saying why."""
+    def _save(self, stopping: str | None = None) -> Path | None:
+        """This step's checkpoint (the one already written, if any); a save the host or the disk cannot hold is
+        not started: the run stops, saying why (in the words of `stopping`, the stop a save was asked for by)."""
         if self.out is None:
             return None
-        done = checkpoint.checkpoint_root(self.out) / checkpoint.tag_for(self.state["step"])
-        if checkpoint.is_complete(done):  # e.g. the end of a run right after a periodic save
+        step = self.state["step"]
+        done = checkpoint.checkpoint_root(self.out) / checkpoint.tag_for(step)
+        if checkpoint.is_complete(done):  # e.g. the end of a run, or a stop, right after a periodic save
+            if stopping:
+                self._say(f"{stopping}: the checkpoint of step {step} is already written, stopping")
             return done
         short = self.policy.save_short(checkpoint.save_host_bytes(self.engine)) or _disk_short(
             self.engine, self.run, self.out, self.policy)
-        if short:
-            raise TrainingAborted(f"stopped at step {self.state['step']} instead of writing a checkpoint, because "
-                                  f"{short}{self._last_good()}")
+        if short:  # stop without the save: killed mid-save, the run would end the same, with less said
+            head = f"{stopping} at step {step}; not saved" if stopping else \
+                f"stopped at step {step} instead of writing a checkpoint"
+            raise TrainingAborted(f"{head}, because {short}{self._last_good()}")
+        if stopping:
+            self._say(f"{stopping}: saving a checkpoint at step {step}, then stopping (a second Ctrl-C quits at once)")
         import torch.distributed as dist
 
         state = {**self.state, "model": self.cfg.model, "precision": self.run.precision,
