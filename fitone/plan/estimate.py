@@ -118,6 +118,17 @@ def _preflight_plan(run: Run, micro_batch: int, accumulation: int) -> Plan:
                       gpu_limit_source=source or "", host_available=_host_available(None))
 
 
+def _largest_dividing(cfg: TrainConfig, most: int, world: int) -> tuple[int, int]:
+    """The largest micro-batch <= `most` whose accumulation --global-batch divides exactly, and that accumulation
+    (TrainConfig.accumulation, the one owner of it); a global batch no micro-batch divides gets micro-batch 1."""
+    for b in range(most, 1, -1):
+        try:
+            return b, cfg.accumulation(b, world)
+        except ConfigError:
+            continue
+    return 1, max(1, cfg.global_batch // world)
+
+
 def _host_need(p: Plan, on_gpu: bool) -> int:
     """This node's host RAM: its ranks' (p.gpus) shares, not every rank's. On a CPU run the "GPU" side (weights,
     buckets, activations) lives in host RAM too."""
@@ -210,8 +221,8 @@ def _make_plan(run: Run, *, micro_batch: int | None, accumulation: int, gpu_limi
     if micro_batch is None:  # 'auto': the largest that fits; with a global batch, the largest that divides it
         micro_batch = max(1, best or 1)
         if per_step is not None:
-            micro_batch = next(d for d in range(min(micro_batch, per_step), 0, -1) if per_step % d == 0)
-            st = dataclasses.replace(st, accumulation=per_step // micro_batch)
+            micro_batch, accum = _largest_dividing(cfg, min(micro_batch, per_step), gpus)
+            st = dataclasses.replace(st, accumulation=accum)
     host = _host_components(st, offload)
     host_total = here * sum(c.bytes for c in host)
     host_no = here * sum(c.bytes for c in _host_components(st, False))
