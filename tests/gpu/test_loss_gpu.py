@@ -68,3 +68,28 @@ def test_the_fused_loss_equals_the_plain_loss_on_the_gpu(precision, backend, sca
     for name, (gap, bound) in gaps.items():
         assert gap <= bound, (name, gap, bound)
     assert float(got_h.abs().max()) > 0 and float(got_w.abs().max()) > 0
+
+
+@pytest.mark.parametrize("vocab", [32_000, 128_256])
+def test_a_small_vocabulary_keeps_the_models_own_loss_on_the_gpu_and_a_large_one_fuses_it(vocab):
+    """The vocabulary rule (fitone.loss.FUSED_MIN_VOCAB_GPU) on a real CUDA model: below it the model's forward
+    is untouched; above it the fused forward is installed and gives the model's own loss (bf16, one step's batch)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to("cuda", torch.bfloat16).train()
+    ids = torch.randint(0, vocab, (2, 256), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    want = float(model(input_ids=ids, labels=ids).loss)
+    backend = fused.prepare(model, device="cuda", precision="bf16")
+    line = fused.note(model.config, backend, device="cuda", precision="bf16", enabled=True)
+    got = model(input_ids=ids, labels=ids)
+    record("vocab_rule", vocab=vocab, backend=backend, loss=[float(got.loss), want], note=line)
+    if vocab < fused.FUSED_MIN_VOCAB_GPU:
+        assert backend is None and "model's own" in line
+        assert got.logits is not None  # the model's own forward, logits and all
+    else:
+        assert backend in ("liger", "chunked") and line.startswith("loss: the LM head and cross-entropy fused")
+        assert got.logits is None
+    assert abs(float(got.loss) - want) <= 4 * UNIT_ROUNDOFF["bf16"] * abs(want), (float(got.loss), want)
