@@ -7,7 +7,7 @@ tar czf $OUT/ext.tgz -C /tmp ext 2>/dev/null
 tar czf $OUT/call1.tgz -C $W .
 left=$((555 - SECONDS))
 if [ $left -gt 120 ]; then
-  timeout -s KILL $left python3 -m fitone probe-batch --recipe llama-3.1-8b/24gb model=llama-3.1-8b from_scratch=true --json $W/probe/p.json --plot $W/probe/p.png --no-progress > $W/probe/probe.log 2>&1
+  timeout -s KILL $left python3 -m fitone probe-batch --recipe llama-3.1-8b/24gb model=llama-3.1-8b from_scratch=true --json $W/probe/p.json --plot $W/probe/p.png > $W/probe/probe.log 2>&1
   echo "exit $? (limit $left s)" >> $W/probe/probe.log
 fi
 tar czf $OUT/call1.tgz -C $W .
