@@ -80,15 +80,22 @@ def _decoder_layer(s: ModelShape, a: int) -> tuple[float, float]:
 
 def activation_bytes(s: ModelShape, *, precision: str, checkpointing: bool, lengths: Lengths,
                      fused_loss: str | None = None) -> int:
-    """Peak activation bytes of one sample in forward + backward (the micro-batch scales it linearly).
+    """Peak activation bytes of one sample in forward + backward (the micro-batch scales it linearly): the
+    larger of `activation_moments`."""
+    return max(activation_moments(s, precision=precision, checkpointing=checkpointing, lengths=lengths,
+                                  fused_loss=fused_loss).values())
 
-    The peak is the larger of two moments: the loss backward (everything kept + the logits' gradients)
-    and, with checkpointing, the backward of a recomputed layer (the forward never gets higher). Logits
-    are not kept past the loss (fitone keeps only `.loss`). Causal LMs upcast logits to fp32 for the loss
-    (transformers' ForCausalLMLoss); T5 computes it in the model's dtype. With a fused loss (fitone.loss) a
-    causal LM keeps no logits: the loss keeps the labelled hidden states and backward makes their gradient
-    (the chunked path) or the forward makes it (Liger, which also keeps fp32 logits of about H per token);
-    the fixed part of either is `fused_loss_fixed_bytes`.
+
+def activation_moments(s: ModelShape, *, precision: str, checkpointing: bool, lengths: Lengths,
+                       fused_loss: str | None = None) -> dict[str, int]:
+    """Activation bytes of one sample at the backward's high moments: "loss" (the loss's backward: everything
+    kept + the logits' gradients) and, with checkpointing, "layers" (the backward of a recomputed layer; the
+    forward never gets higher). The plan adds what only the loss's moment holds (a fused loss's chunk, the LM
+    head's gradient) to that moment alone. Logits are not kept past the loss (fitone keeps only `.loss`).
+    Causal LMs upcast logits to fp32 for the loss (transformers' ForCausalLMLoss); T5 computes it in the
+    model's dtype. With a fused loss (fitone.loss) a causal LM keeps no logits: the loss keeps the labelled
+    hidden states and backward makes their gradient (the chunked path) or the forward makes it (Liger, which
+    also keeps fp32 logits of about H per token); the fixed part of either is `fused_loss_fixed_bytes`.
     """
     a = 4 if precision == "fp32" else 2
     fp16 = precision == "fp16"
@@ -117,22 +124,22 @@ def activation_bytes(s: ModelShape, *, precision: str, checkpointing: bool, leng
 
     if not checkpointing:
         kept = (l_enc * enc + head_e) * src + (l_dec * dec + head_d) * tgt + lsm
-        return int(kept + loss_grads)
+        return {"loss": int(kept + loss_grads)}
     # with checkpointing each layer keeps only its input until backward recomputes it
     kept_enc = (l_enc * a * s.hidden + head_e) * src
     kept_dec = (l_dec * a * s.hidden + head_d) * tgt
     loss_phase = kept_enc + kept_dec + lsm + loss_grads
     dec_phase = kept_enc + kept_dec - a * s.hidden * tgt + (dec + transient) * tgt
     enc_phase = kept_enc + a * s.hidden * src + (enc + transient) * src if l_enc else 0.0
-    return int(max(loss_phase, dec_phase, enc_phase))
+    return {"loss": int(loss_phase), "layers": int(max(dec_phase, enc_phase))}
 
 
 def fused_loss_fixed_bytes(s: ModelShape, *, precision: str, fused_loss: str | None) -> int:
     """What a fused loss holds whatever the micro-batch: the chunked path's one chunk of logits in backward
     (16-bit logits, their fp32 copy, the softmax and its 16-bit cast: 12 B each), or nothing more for Liger:
-    its head gradient, made in the forward and handed on in the loss's backward, is gone before backward
-    reaches the largest parameter, whose autograd gradient (the plan's offload staging) is at least as large
-    (measured: bench/results/2026-12-01-issue27/llama-3.1-8b/)."""
+    its head gradient, made in the forward and handed on in the loss's backward, is the LM head's gradient
+    the plan counts at that moment anyway (measured: bench/results/2026-12-01-issue27/llama-3.1-8b/). Only
+    the loss's moment holds it: the layers' backward comes after."""
     if not fused_loss or fused_loss == "liger" or s.family == "t5" or s.encoder_decoder:
         return 0
     return 12 * CHUNK_ELEMENTS

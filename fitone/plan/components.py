@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from fitone import checkpoint, hf_export, memory, zero2
-from fitone.plan.activations import Lengths, activation_bytes, fused_loss_fixed_bytes
+from fitone.plan.activations import Lengths, activation_bytes, activation_moments, fused_loss_fixed_bytes
 from fitone.plan.shape import ModelShape
 from fitone.units import GIB, gib, parse_size
 from fitone.zero2 import layout, low_precision, overlap
@@ -19,10 +19,11 @@ from fitone.zero2 import layout, low_precision, overlap
 CATEGORIES = ("weights", "gradients", "optimizer", "activations", "buffers", "overhead")
 
 CUDA_CONTEXT = GIB // 2  # the CUDA context and kernels live outside the allocator (and outside any cap)
-# What the caching allocator reserves beyond what it hands out, with expandable segments (the default): Qwen2.5-7B
-# under a 23 GiB cap fit micro-batch 29 at 22.3 GiB allocated and not 30 (~22.5 GiB), which bounds it to
-# (2.0%, 3.1%]; the midpoint (bench/results/2026-12-02-gpu/qwen2.5-7b/). 5% was set before expandable segments.
-FRAGMENTATION = 0.025
+# What the caching allocator reserves beyond what it hands out, with expandable segments (the default). Two probes
+# under a 23 GiB cap bound it from either side: Qwen2.5-7B fit micro-batch 29 at 22.3 GiB allocated and not 30
+# (~22.5 GiB), so over 2.0% (bench/results/2026-12-02-gpu/qwen2.5-7b/); Llama-3.1-8B fit 26 at 22.63 GiB, so at
+# most 1.6% there (bench/results/2026-12-02c-gpu/call2/). 2% keeps each probe's largest within one of the plan's.
+FRAGMENTATION = 0.02
 # What the process holds before any model state (python, torch, transformers, DeepSpeed, CUDA libs),
 # calibrated against measured runs (tests/plan/test_plan.py names the calibration; bench/results/ the runs).
 BASELINE_GPU_BOX = 2 * GIB
@@ -221,6 +222,11 @@ class _Setup:
         return activation_bytes(self.shape, precision=self.precision, checkpointing=ckpt, lengths=self.lengths,
                                 fused_loss=self.fused_loss)
 
+    def moments(self) -> dict[str, int]:
+        """Activation bytes of one sample at the loss's backward and at a recomputed layer's (activation_moments)."""
+        return activation_moments(self.shape, precision=self.precision, checkpointing=self.checkpointing,
+                                  lengths=self.lengths, fused_loss=self.fused_loss)
+
 
 def _gpu_components(st: _Setup, offload: bool, micro_batch: int) -> list[Component]:
     s, w, n = st.shape, st.w, st.gpus
@@ -257,19 +263,42 @@ def _gpu_components(st: _Setup, offload: bool, micro_batch: int) -> list[Compone
         comps.append(Component("optimizer states", "optimizer", 12 * part,
                                "fp32 master + Adam m, v, on the GPU"))  # fp32 master: line 560
         comps.append(Component("largest grad", "buffers", w * largest, "autograd's grad before the bucket copy"))
-    comps.append(Component("activations", "activations", st.per_sample() * micro_batch,
-                           f"{micro_batch} x {st.per_sample() / 2**20:.1f} MiB"))
-    fixed = fused_loss_fixed_bytes(st.shape, precision=st.precision, fused_loss=st.fused_loss)
-    if fixed:
-        comps.append(Component("fused loss", "activations", fixed,
-                               "one chunk of logits in the loss's backward (fitone.loss)"))
+    comps += _activation_components(st, offload, micro_batch)
     if not offload:  # step: fp32 grads of the partition exist once activations are gone (flatten in step())
         backward = sum(c.bytes for c in comps)
-        step = backward - comps[-1].bytes + 4 * part
+        step = backward - sum(c.bytes for c in comps if c.category == "activations") + 4 * part
         if step > backward:
             comps.append(Component("step fp32 grads", "buffers", step - backward,
                                    "optimizer step's fp32 grad partition beyond the backward peak"))
     return _with_overhead(st, comps)
+
+
+def _activation_components(st: _Setup, offload: bool, micro_batch: int) -> list[Component]:
+    """The activations at the higher of the backward's two moments. The loss's backward also holds a fused loss's
+    chunk of logits and (the lean layout, one micro-batch a step) the LM head's gradient, made there and copied
+    to the host before the layers' backward, where the recomputed layers set the other moment: Llama-3.1-8B's
+    probe trials from 16 up bind there (bench/results/2026-12-02c-gpu/call2/)."""
+    moments = st.moments()
+    fixed = fused_loss_fixed_bytes(st.shape, precision=st.precision, fused_loss=st.fused_loss)
+    loss_only = [Component("fused loss", "activations", fixed,
+                           "one chunk of logits in the loss's backward (fitone.loss)")] if fixed else []
+    head = _over_bucket(st) - _held_gradient(st) if offload and st.pipelined_update else 0
+    if head:
+        loss_only.append(Component("LM head gradient", "gradients", st.w * head,
+                                   "made in the loss's backward, copied to the host before the layers' backward"))
+    loss = moments["loss"] * micro_batch + sum(c.bytes for c in loss_only)
+    layers = moments.get("layers", 0) * micro_batch
+    if layers >= loss:
+        return [Component("activations", "activations", layers,
+                          f"{micro_batch} x {moments['layers'] / 2**20:.1f} MiB, at a recomputed layer's backward")]
+    where = ", at the loss's backward" if "layers" in moments else ""
+    return [Component("activations", "activations", moments["loss"] * micro_batch,
+                      f"{micro_batch} x {moments['loss'] / 2**20:.1f} MiB{where}"), *loss_only]
+
+
+def _over_bucket(st: _Setup) -> int:
+    """Elements of the largest parameter over reduce_bucket_size (0: none), which DeepSpeed reduces in place."""
+    return max((n for n in st.shape.param_numels if n > st.bucket), default=0)
 
 
 def _in_bucket_largest(st: _Setup) -> int:
@@ -291,7 +320,7 @@ def _held_gradient(st: _Setup) -> int:
     the layers' recomputed activations: measured, ~1 GiB more at the same micro-batch for Qwen2.5-7B
     (bench/results/2026-12-02-gpu/qwen2.5-7b/). A tied one sums over the whole backward at any accumulation.
     """
-    over = max((n for n in st.shape.param_numels if n > st.bucket), default=0)
+    over = _over_bucket(st)
     return over if st.accumulation > 1 or st.shape.tied_embeddings else 0
 
 
