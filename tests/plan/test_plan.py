@@ -511,6 +511,54 @@ def test_qwen_2_5_7b_largest_micro_batch_is_the_probes_within_five_percent_at_on
     assert line in str(auto) and "at one micro-batch a step" not in str(one_step)
 
 
+LLAMA_31_8B_PROBE = Path(__file__).resolve().parents[2] / "bench" / "results" / "2026-12-02c-gpu" / "call2" / "probe"
+
+
+def llama_31_8b_plan(monkeypatch, **settings):
+    """Llama-3.1-8B as its recipe's probe ran on the H200 (bf16, seq 512, the chunked fused loss: no liger-kernel
+    there, 23 GiB cap)."""
+    from fitone import loss
+
+    monkeypatch.setattr(loss, "liger_available", lambda: False)  # as on that GPU machine
+    return plan(model="llama-3.1-8b", from_scratch=True, seq_len=512, precision="bf16", max_gpu_memory="23GiB",
+                device="cuda", gpu_mem="141GiB", host_mem="125GiB", **settings)
+
+
+def test_llama_3_1_8b_plans_each_probe_trial_and_its_largest_micro_batch_within_five_percent(monkeypatch):
+    """Every trial the probe fit (1 to 26 at one micro-batch a step, 16 x 3 and 8 x 6 accumulating), against the
+    plan's GPU step peak (allocated) within 5%; the plan's largest at one micro-batch a step within 5% of the
+    probe's 26 (27 ran out of memory); accumulating, between the 16 that fit x 3 and the 24 that did not x 2."""
+    probe = json.loads((LLAMA_31_8B_PROBE / "p.json").read_text())
+    assert (probe["meta"]["fused_loss"], probe["largest_fit"], probe["smallest_oom"]) == ("chunked", 26, 27)
+    fits = [t for t in probe["trials"] if t["fits"]]
+    assert {(t["batch_size"], t["accumulation"]) for t in fits} >= {(1, 1), (8, 1), (16, 1), (26, 1), (16, 3)}
+    for t in fits:
+        p = llama_31_8b_plan(monkeypatch, batch_size=t["batch_size"], grad_accum=t["accumulation"])
+        assert abs(p.gpu_allocated / t["peak_gpu_bytes"] - 1) <= 0.05, (t, p.gpu_allocated / GIB)
+    one_step = llama_31_8b_plan(monkeypatch, batch_size=16, grad_accum=1)
+    assert abs(one_step.max_micro_batch / probe["largest_fit"] - 1) <= 0.05
+    assert 16 <= llama_31_8b_plan(monkeypatch, batch_size=16, grad_accum=3).max_micro_batch < 24
+
+
+def test_a_fused_loss_chunk_and_the_lm_head_gradient_count_at_the_loss_backward_only(monkeypatch):
+    """At a small micro-batch the loss's backward binds: the kept layer inputs, the chunked loss's chunk of logits
+    and the LM head's 16-bit gradient (525M elements), made there; at a large one a recomputed layer's backward
+    binds, which holds neither (the head's gradient went to the host at the boundary, the chunk is gone).
+    Accumulating, the head's gradient is held through the layers too (the offload staging)."""
+    from fitone.loss import CHUNK_ELEMENTS
+
+    head = 2 * 128256 * 4096
+    small, large = (llama_31_8b_plan(monkeypatch, batch_size=b, grad_accum=1) for b in (1, 26))
+    assert part(small, "gpu", "fused loss") == 12 * CHUNK_ELEMENTS and part(small, "gpu", "LM head gradient") == head
+    assert "loss's backward" in next(c.note for c in small.gpu if c.name == "activations")
+    assert not {"fused loss", "LM head gradient"} & {c.name for c in large.gpu}
+    assert "recomputed layer" in next(c.note for c in large.gpu if c.name == "activations")
+    assert large.activation_per_sample * 26 == part(large, "gpu", "activations")
+    accumulating = llama_31_8b_plan(monkeypatch, batch_size=1, grad_accum=2)
+    assert "LM head gradient" not in {c.name for c in accumulating.gpu}
+    assert part(accumulating, "gpu", "offload staging") - part(small, "gpu", "offload staging") == head
+
+
 def test_no_gradient_is_held_when_accumulating_where_every_parameter_fits_a_bucket():
     """llama-7b's largest parameter (131M elements) is under reduce_bucket_size: its gradient is copied into a
     bucket and freed, accumulating or not, so the plan is the same at both."""
