@@ -14,7 +14,7 @@ The arithmetic lives in parts: `shape` (the model's sizes), `activations` (bytes
 
 from fitone.plan.activations import Lengths, activation_bytes
 from fitone.plan.advice import DOES_NOT_FIT, FITS_ON_GPU, FITS_WITH_OFFLOAD, PHASE_FIXES, unforeseen_oom
-from fitone.plan.components import CATEGORIES, Component, Plan
+from fitone.plan.result import CATEGORIES, Component, Plan
 from fitone.plan.estimate import host_micro_batch_bound, plan, preflight
 from fitone.plan.shape import ModelShape, model_shape
 

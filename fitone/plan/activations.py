@@ -112,9 +112,9 @@ def activation_moments(s: ModelShape, *, precision: str, checkpointing: bool, le
     else:
         dec, head_d = _decoder_layer(s, a)
         enc, head_e, src, l_enc = 0.0, 0.0, 0, 0
-        # a causal LM's fp32 loss holds one fp32 gradient at its peak: llama-7b's own loss measured 7.2 B a logit
-        # beyond the layers' kept inputs, where two gradients would make 12 (bench/results/2026-12-02b-gpu/call3/)
-        loss_dtype, loss_grad_copies, tgt, l_dec = 4, 1, lengths.tgt, s.layers
+        # a causal LM's fp32 loss peaks in the log-softmax's backward: its kept output, its incoming gradient and
+        # the input's, 12 B a logit (counted on the CPU: tests/plan/test_activations.py)
+        loss_dtype, loss_grad_copies, tgt, l_dec = 4, 2, lengths.tgt, s.layers
     lsm = loss_dtype * s.vocab * tgt  # log-softmax output kept for the loss backward
     loss_grads = loss_grad_copies * loss_dtype * s.vocab * tgt
     if fused_loss and not (s.family == "t5" or s.encoder_decoder):

@@ -10,7 +10,8 @@ from typing import Callable
 from fitone import memory
 from fitone.errors import MemoryBudgetError
 from fitone.plan.activations import Lengths
-from fitone.plan.components import Plan, _g, _host_components, _Setup
+from fitone.plan.components import _host_components, _Setup
+from fitone.plan.result import Plan, _g
 
 FITS_ON_GPU = "fits without offload"
 FITS_WITH_OFFLOAD = "fits with ZeRO-2 CPU offload"

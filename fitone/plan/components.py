@@ -7,16 +7,15 @@ numbers are cited in comments; the rows a user reads name what each piece is).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Callable
 
-from fitone import checkpoint, hf_export, memory, zero2
+from fitone import memory, zero2
 from fitone.plan.activations import Lengths, activation_bytes, activation_moments, fused_loss_fixed_bytes
+from fitone.plan.result import Component
 from fitone.plan.shape import ModelShape
-from fitone.units import GIB, gib, parse_size
+from fitone.units import GIB
 from fitone.zero2 import layout, low_precision, overlap
-
-CATEGORIES = ("weights", "gradients", "optimizer", "activations", "buffers", "overhead")
 
 CUDA_CONTEXT = GIB // 2  # the CUDA context and kernels live outside the allocator (and outside any cap)
 # What the caching allocator reserves beyond what it hands out, with expandable segments (the default). Two probes
@@ -28,159 +27,6 @@ FRAGMENTATION = 0.02
 # calibrated against measured runs (tests/plan/test_plan.py names the calibration; bench/results/ the runs).
 BASELINE_GPU_BOX = 2 * GIB
 BASELINE_CPU = GIB // 2
-
-
-@dataclass
-class Component:
-    name: str
-    category: str  # one of CATEGORIES
-    bytes: int
-    note: str = ""
-
-
-@dataclass
-class Plan:
-    """Predicted memory of one run. Bytes throughout; `to_dict()` adds GiB."""
-
-    model: str
-    family: str
-    n_params: int
-    precision: str
-    offload: bool
-    gpus: int  # ranks on each node (--gpus): host_total is one node's, these ranks' shares
-    world_size: int  # ranks over every node (--gpus x --nodes): what ZeRO-2 partitions over
-    nodes: int  # machines (--nodes), `gpus` ranks on each
-    micro_batch: int
-    lengths: dict[str, int]
-    activation_checkpointing: bool
-    gpu: list[Component]  # per rank
-    host: list[Component]  # per rank
-    gpu_total: int
-    host_total: int  # one node's: its `gpus` ranks
-    gpu_limit: int | None  # what gpu_total is compared with (card memory, or allocator cap + CUDA context)
-    gpu_limit_source: str
-    host_available: int
-    activation_per_sample: int  # with the configured checkpointing
-    activation_per_sample_ckpt: int
-    activation_per_sample_no_ckpt: int
-    max_micro_batch: int | None  # largest fitting the GPU limit at the run's accumulation (0: none); None: no limit
-    max_micro_batch_without_offload: int | None
-    gpu_total_without_offload: int
-    host_total_without_offload: int
-    verdict: str
-    short: dict[str, int] = field(default_factory=dict)  # resource -> bytes missing
-    suggestions: list[str] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    deepspeed_estimate: dict[str, int] | None = None
-    gpu_init: list[Component] = field(default_factory=list)  # per rank, at the engine's init
-    optimizer_states: str = "fp32"  # --optimizer-states
-    # host_total of the same run under --optimizer-states bf16 (None: not planned: asked for already, no CPU
-    # offload, or several ranks, where the 16-bit step does not run)
-    host_total_16bit_states: int | None = None
-    max_micro_batch_one_step: int | None = None  # max_micro_batch at one micro-batch a step (accumulating holds more)
-
-    @property
-    def gpu_init_total(self) -> int:
-        return sum(c.bytes for c in self.gpu_init)
-
-    @property
-    def gpu_peak(self) -> int:
-        """What the GPU must hold at the run's worst moment: the engine's init or a training step."""
-        return max(self.gpu_total, self.gpu_init_total)
-
-    @property
-    def gpu_peak_phase(self) -> str:
-        """Which phase sets `gpu_peak` (and so the GPU verdict): "step" or "engine init"."""
-        return "engine init" if self.gpu_init_total > self.gpu_total else "step"
-
-    @property
-    def gpu_allocated(self) -> int:
-        """Peak bytes the CUDA allocator hands out (what torch.cuda.max_memory_allocated reports)."""
-        return sum(c.bytes for c in self.gpu if c.category != "overhead")
-
-    @property
-    def host_export(self) -> int:
-        """Host RAM while `final/` is written: the steps' and one export shard, which is all the streamed export
-        holds (fitone.hf_export.export; measured: bench/results/2026-12-01-issue27/llama-3.1-8b/)."""
-        return self.host_total + int(parse_size(hf_export.EXPORT_SHARD_SIZE, "shard size"))
-
-    @property
-    def host_export_16bit_states(self) -> int | None:
-        """`host_export` under --optimizer-states bf16 (None where host_total_16bit_states is)."""
-        if self.host_total_16bit_states is None:
-            return None
-        return self.host_export - self.host_total + self.host_total_16bit_states
-
-    @property
-    def checkpoint_bytes(self) -> int:
-        """Disk bytes of one `--save-every` checkpoint of this model (fitone.checkpoint.checkpoint_bytes)."""
-        return checkpoint.checkpoint_bytes(self.n_params, self.precision, self.optimizer_states)
-
-    @property
-    def host_states(self) -> int:
-        """Host bytes of one rank beyond the process baseline: what offloading adds."""
-        return sum(c.bytes for c in self.host if c.name != "process baseline")
-
-    def by_category(self, where: str) -> dict[str, int]:
-        out = dict.fromkeys(CATEGORIES, 0)
-        for c in getattr(self, where):
-            out[c.category] += c.bytes
-        return out
-
-    def to_dict(self) -> dict[str, Any]:
-        """The plan as JSON-ready values: bytes, and GiB rounded to 3 decimals (`fitone plan --json`)."""
-
-        def comps(items: list[Component]) -> list[dict[str, Any]]:
-            return [{"name": c.name, "category": c.category, "bytes": c.bytes, "gib": _g(c.bytes), "note": c.note}
-                    for c in items]
-
-        return {
-            "model": self.model, "family": self.family, "n_params": self.n_params, "precision": self.precision,
-            "optimizer_states": self.optimizer_states,
-            "host_export_16bit_states_gib": None if self.host_export_16bit_states is None
-            else _g(self.host_export_16bit_states),
-            "offload": "cpu" if self.offload else "none", "gpus": self.gpus, "nodes": self.nodes,
-            "world_size": self.world_size, "micro_batch": self.micro_batch,
-            "lengths": self.lengths, "activation_checkpointing": self.activation_checkpointing,
-            "gpu_gib": _g(self.gpu_total), "gpu_allocated_gib": _g(self.gpu_allocated),
-            "host_gib": _g(self.host_total), "host_per_rank_gib": _g(sum(c.bytes for c in self.host)),
-            "host_export_gib": _g(self.host_export),
-            "checkpoint_gib": _g(self.checkpoint_bytes), "gpu_init_gib": _g(self.gpu_init_total),
-            "gpu_peak_gib": _g(self.gpu_peak), "gpu_peak_phase": self.gpu_peak_phase,
-            "gpu_limit_gib": None if self.gpu_limit is None else _g(self.gpu_limit),
-            "gpu_limit_source": self.gpu_limit_source, "host_available_gib": _g(self.host_available),
-            "components": {"gpu": comps(self.gpu), "gpu_init": comps(self.gpu_init), "host": comps(self.host)},
-            "categories_gib": {w: {k: _g(v) for k, v in self.by_category(w).items()} for w in ("gpu", "host")},
-            "activation_per_sample_gib": _g(self.activation_per_sample),
-            "activation_per_sample_ckpt_gib": _g(self.activation_per_sample_ckpt),
-            "activation_per_sample_no_ckpt_gib": _g(self.activation_per_sample_no_ckpt),
-            "max_micro_batch": self.max_micro_batch, "max_micro_batch_one_step": self.max_micro_batch_one_step,
-            "max_micro_batch_without_offload": self.max_micro_batch_without_offload,
-            "gpu_gib_without_offload": _g(self.gpu_total_without_offload),
-            "host_gib_without_offload": _g(self.host_total_without_offload),
-            "verdict": self.verdict, "short_gib": {k: _g(v) for k, v in self.short.items()},
-            "suggestions": self.suggestions, "notes": self.notes,
-            "deepspeed_estimate_gib": None if self.deepspeed_estimate is None
-            else {k: _g(v) for k, v in self.deepspeed_estimate.items()},
-        }
-
-    # A notebook's conveniences (README, examples/quickstart.ipynb): fitone's own callers draw through render,
-    # which imports nothing of the plan at run time, so these two imports close no cycle
-    def __str__(self) -> str:
-        from fitone.render import plan_text  # on call: render, the layer above, draws the plan
-
-        return plan_text(self)
-
-    def plot(self, path: str) -> str:
-        """Stacked bars of where memory goes on the GPU and the host, with the limit drawn in (a PNG)."""
-        from fitone.render import plot_plan  # on call: render, the layer above, draws the plan
-
-        return str(plot_plan(self, path))
-
-
-def _g(n: float) -> float:
-    """GiB as a plan shows them (3 decimals): the advice and the pre-flight's messages round the same way."""
-    return gib(n, 3)
 
 
 def _pow2(n: int) -> int:
@@ -233,18 +79,9 @@ def _gpu_components(st: _Setup, offload: bool, micro_batch: int) -> list[Compone
     part = math.ceil(s.n_params / n)
     bits = "fp32" if w == 4 else "16-bit"
     comps = [Component("weights", "weights", w * s.n_params, f"{bits}, {w} B/param")]  # bit16_groups_flat, line 505
-    nbuf = 2 if st.overlap_comm else 1
-    comps.append(Component("gradient buckets", "gradients", nbuf * st.bucket * w,  # setup_buckets, lines 3266-3278
-                           f"{nbuf} x reduce_bucket_size {st.bucket:.2g} "
-                           f"({'overlap_comm' if nbuf == 2 else 'one bucket'})"))
     largest = s.largest_param
-    if offload and st.pipelined_update:  # the lean layout (fitone.zero2.layout): the sums go up in chunks
-        held = _held_gradient(st)
-        comps.append(Component("offload staging", "buffers", w * (_in_bucket_largest(st) + held)
-                               + 8 * min(largest, layout.NORM_CHUNK_ELEMENTS) + w * min(largest, layout.CHUNK_ELEMENTS),
-                               "largest param: its autograd grad"
-                               + (", and one held to the backward's end (accumulating)" if held else "")
-                               + "; one chunk of its fp64 copy for the norm at the boundary and one of its sum so far"))
+    if offload and st.pipelined_update:
+        pass  # the lean layout's staging is the layers' backward's (_moment_components)
     elif offload:
         upcast = 4 * largest if w < 4 else 0
         # temp_grad_buffer_for_gpu_offload (line 659), the autograd grad, the fp32 copy for the CPU (line 1898)
@@ -263,7 +100,7 @@ def _gpu_components(st: _Setup, offload: bool, micro_batch: int) -> list[Compone
         comps.append(Component("optimizer states", "optimizer", 12 * part,
                                "fp32 master + Adam m, v, on the GPU"))  # fp32 master: line 560
         comps.append(Component("largest grad", "buffers", w * largest, "autograd's grad before the bucket copy"))
-    comps += _activation_components(st, offload, micro_batch)
+    comps += _moment_components(st, offload, micro_batch)
     if not offload:  # step: fp32 grads of the partition exist once activations are gone (flatten in step())
         backward = sum(c.bytes for c in comps)
         step = backward - sum(c.bytes for c in comps if c.category == "activations") + 4 * part
@@ -273,27 +110,64 @@ def _gpu_components(st: _Setup, offload: bool, micro_batch: int) -> list[Compone
     return _with_overhead(st, comps)
 
 
-def _activation_components(st: _Setup, offload: bool, micro_batch: int) -> list[Component]:
-    """The activations at the higher of the backward's two moments. The loss's backward also holds a fused loss's
-    chunk of logits and (the lean layout, one micro-batch a step) the LM head's gradient, made there and copied
-    to the host before the layers' backward, where the recomputed layers set the other moment: Llama-3.1-8B's
-    probe trials from 16 up bind there (bench/results/2026-12-02c-gpu/call2/)."""
+def _moment_components(st: _Setup, offload: bool, micro_batch: int) -> list[Component]:
+    """The activations and what else is alive at the higher of the backward's two moments (with checkpointing).
+
+    The loss's backward: every layer's kept input and the loss's own tensors; with a fused loss, its chunk of
+    logits, the LM head's gradient made there, and the gradient buckets DeepSpeed makes at the first gradient. A
+    model's own loss peaks before any parameter has a gradient (a causal LM's in the log-softmax's backward), so
+    before the buckets exist. A recomputed layer's backward: its tensors, the buckets and (the lean layout) the
+    gradients' way to the host, which runs as the layers make them. Measured:
+    Llama-3.1-8B's probe trials bind at the loss's moment below ~16 and at the layers' from 16 up
+    (bench/results/2026-12-02c-gpu/call2/, 2026-12-02d-gpu/call2/)."""
     moments = st.moments()
+    lean = offload and st.pipelined_update
+    nbuf = 2 if st.overlap_comm else 1
+    # made at the backward's first gradient and freed at its end (setup_buckets, lines 3256-3280; line 1061)
+    how = "overlap_comm" if nbuf == 2 else "one bucket"
+    buckets = Component("gradient buckets", "gradients", nbuf * st.bucket * st.w,
+                        f"{nbuf} x reduce_bucket_size {st.bucket:.2g} ({how})")
+    layer_only = [buckets, _lean_staging(st)] if lean else [buckets]
     fixed = fused_loss_fixed_bytes(st.shape, precision=st.precision, fused_loss=st.fused_loss)
     loss_only = [Component("fused loss", "activations", fixed,
                            "one chunk of logits in the loss's backward (fitone.loss)")] if fixed else []
-    head = _over_bucket(st) - _held_gradient(st) if offload and st.pipelined_update else 0
-    if head:
-        loss_only.append(Component("LM head gradient", "gradients", st.w * head,
-                                   "made in the loss's backward, copied to the host before the layers' backward"))
+    fused = st.fused_loss and not (st.shape.family == "t5" or st.shape.encoder_decoder)
+    if fused:  # the head's gradient is made in the loss's backward, and its hook makes the buckets
+        loss_only.append(buckets)
+    if lean and fused and _over_bucket(st):
+        loss_only.append(Component("LM head gradient", "gradients", st.w * _over_bucket(st) + _norm_chunks(st),
+                                   "made in the loss's backward and, over reduce_bucket_size, reduced in place: "
+                                   "one chunk of its fp64 copy for the norm and one of its sum on the way to the host"))
+    if "layers" not in moments:  # without checkpointing everything is kept until the backward frees it
+        return [Component("activations", "activations", moments["loss"] * micro_batch,
+                          f"{micro_batch} x {moments['loss'] / 2**20:.1f} MiB"), *layer_only,
+                *[c for c in loss_only if c is not buckets]]
     loss = moments["loss"] * micro_batch + sum(c.bytes for c in loss_only)
-    layers = moments.get("layers", 0) * micro_batch
+    layers = moments["layers"] * micro_batch + sum(c.bytes for c in layer_only)
     if layers >= loss:
-        return [Component("activations", "activations", layers,
-                          f"{micro_batch} x {moments['layers'] / 2**20:.1f} MiB, at a recomputed layer's backward")]
-    where = ", at the loss's backward" if "layers" in moments else ""
+        return [Component("activations", "activations", moments["layers"] * micro_batch,
+                          f"{micro_batch} x {moments['layers'] / 2**20:.1f} MiB, at a recomputed layer's backward"),
+                *layer_only]
     return [Component("activations", "activations", moments["loss"] * micro_batch,
-                      f"{micro_batch} x {moments['loss'] / 2**20:.1f} MiB{where}"), *loss_only]
+                      f"{micro_batch} x {moments['loss'] / 2**20:.1f} MiB, at the loss's backward"), *loss_only]
+
+
+def _lean_staging(st: _Setup) -> Component:
+    """The lean layout's (fitone.zero2.layout) GPU buffers on the gradients' way to the host: the largest bucketed
+    parameter's autograd gradient, one held to the backward's end where accumulating, one chunk of an fp64 copy
+    for a parameter's norm at the boundary and one chunk of its sum so far."""
+    held = _held_gradient(st)
+    return Component("offload staging", "buffers", st.w * (_in_bucket_largest(st) + held) + _norm_chunks(st),
+                     "largest param: its autograd grad" + (", and one held to the backward's end (accumulating)"
+                                                           if held else "")
+                     + "; one chunk of its fp64 copy for the norm at the boundary and one of its sum so far")
+
+
+def _norm_chunks(st: _Setup) -> int:
+    """Bytes of a gradient's way to the host at the boundary: one chunk of the fp64 copy its norm is taken of and
+    one chunk of its sum so far (fitone.zero2.layout)."""
+    largest = st.shape.largest_param
+    return 8 * min(largest, layout.NORM_CHUNK_ELEMENTS) + st.w * min(largest, layout.CHUNK_ELEMENTS)
 
 
 def _over_bucket(st: _Setup) -> int:

@@ -13,8 +13,9 @@ from fitone.run import Run, resolve_planned
 from fitone.zero2 import step_mode
 from fitone.plan.activations import Lengths
 from fitone.plan.advice import DOES_NOT_FIT, FITS_WITH_OFFLOAD, _judge, sixteen_bit_states_fix
-from fitone.plan.components import (CUDA_CONTEXT, Plan, _deepspeed_estimate, _g, _gpu_components,
-                                    _gpu_init_components, _host_components, _largest_batch, _Setup)
+from fitone.plan.components import (CUDA_CONTEXT, _deepspeed_estimate, _gpu_components, _gpu_init_components,
+                                    _host_components, _largest_batch, _Setup)
+from fitone.plan.result import Plan, _g
 from fitone.plan.shape import model_shape
 from fitone.units import parse_size
 
