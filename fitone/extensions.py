@@ -16,7 +16,9 @@ machine sharing the folder is not seen.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import platform
 import time
 from pathlib import Path
 from typing import Callable
@@ -24,6 +26,9 @@ from typing import Callable
 OPS = {"cpu_adam": "DeepSpeed's CPU Adam", "deepspeed_shm_comm": "DeepSpeed's shared-memory collectives (shm_comm)",
        "fitone_adam16": "fitone's fused 16-bit Adam step"}
 BUILD_TIME = {"fitone_adam16": "~1 minute on 2 cores"}  # the others: ~1.5 minutes
+# fitone's own ops build with -march=native, so each CPU's instruction set gets its folder: a build cached where
+# several machines share it (a cluster's home directory) would stop the next CPU with an illegal instruction
+NATIVE_OPS = {"fitone_adam16"}
 RECHECK_S = 0.5  # a lock with no holder is looked at twice: its builder closes it just before deleting it
 
 
@@ -41,8 +46,26 @@ def extensions_root() -> Path:
     return Path(get_default_build_root())
 
 
+def cpu_fingerprint(cpuinfo: str | None = None) -> str:
+    """8 hex digits naming this CPU's instruction-set extensions (Linux: /proc/cpuinfo's flags), else its model."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    flags = next((line.split(":", 1)[1] for line in cpuinfo.splitlines() if line.startswith(("flags", "Features"))),
+                 f"{platform.machine()} {platform.processor()}")
+    return hashlib.sha1(" ".join(sorted(flags.split())).encode()).hexdigest()[:8]
+
+
+def build_name(name: str) -> str:
+    """The name op `name` builds under: fitone's -march=native ops carry this CPU's fingerprint."""
+    return f"{name}_{cpu_fingerprint()}" if name in NATIVE_OPS else name
+
+
 def build_dirs(name: str) -> list[Path]:
     """The op's build folders: `root/name` (TORCH_EXTENSIONS_DIR) or `root/<python>_<accelerator>/name`."""
+    name = build_name(name)
     root = extensions_root()
     return [d for d in [root / name, *sorted(root.glob(f"*/{name}"))] if d.is_dir()]
 

@@ -29,6 +29,26 @@ def _holder(lock: Path, hold_s: float) -> subprocess.Popen:
     return proc
 
 
+def test_fitones_native_op_is_built_apart_for_each_cpu(tmp_path, monkeypatch):
+    """fitone's fused step builds with -march=native: its folder carries the CPU's instruction-set fingerprint, so
+    a cache several machines share never hands one CPU another's build; DeepSpeed's ops keep their names."""
+    skylake = "processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f\n"
+    older = "processor\t: 0\nflags\t\t: fpu sse2 avx2\n"
+    assert extensions.cpu_fingerprint(skylake) != extensions.cpu_fingerprint(older)
+    assert extensions.cpu_fingerprint(skylake) == extensions.cpu_fingerprint(skylake.replace("avx2 avx512f",
+                                                                                              "avx512f avx2"))
+    assert extensions.build_name("cpu_adam") == "cpu_adam"
+    name = extensions.build_name("fitone_adam16")
+    assert name == f"fitone_adam16_{extensions.cpu_fingerprint()}" and name.isidentifier()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    (tmp_path / "fitone_adam16").mkdir()
+    (tmp_path / "fitone_adam16" / "fitone_adam16.so").write_bytes(b"")  # another CPU's build, or an old one
+    assert not extensions.is_built("fitone_adam16")
+    (tmp_path / name).mkdir()
+    (tmp_path / name / f"{name}.so").write_bytes(b"")
+    assert extensions.is_built("fitone_adam16")
+
+
 def test_an_op_is_built_where_torch_builds_it(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     assert not extensions.is_built("cpu_adam")
@@ -73,10 +93,10 @@ def test_fitone_train_after_an_interrupted_build_clears_the_lock_and_says_what_i
     does (DeepSpeed's process group setup builds it silently), builds it, and trains."""
     root = tmp_path / "torch_extensions"
     for name in extensions.OPS:  # copy2 keeps the times: ninja sees what was built as up to date
-        shutil.copytree(extensions.build_dirs(name)[0], root / name)
+        shutil.copytree(extensions.build_dirs(name)[0], root / extensions.build_name(name))
     for so in (root / "deepspeed_shm_comm").glob("*.so"):
         so.unlink()
-    for name in extensions.OPS:
+    for name in map(extensions.build_name, extensions.OPS):
         killed = _holder(root / name / "lock", 600)
         killed.kill()
         killed.wait(timeout=30)

@@ -211,7 +211,7 @@ def adamw_16bit(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.T
 
 
 # -- the fused step -------------------------------------------------------------------------------------------
-FUSED_OP = "fitone_adam16"  # built once by torch.utils.cpp_extension into TORCH_EXTENSIONS_DIR/fitone_adam16
+FUSED_OP = "fitone_adam16"  # built once per CPU into TORCH_EXTENSIONS_DIR/fitone_adam16_<CPU> (extensions.build_name)
 _SOURCE = Path(__file__).parent / "csrc" / "adam16.cpp"
 # no FMA contraction: each operation rounds once, as the reference's, whatever SIMD level the compiler targets
 # (-fno-math-errno lets sqrt vectorize; it changes no result)
@@ -230,8 +230,8 @@ def fused_op() -> Any:
             from torch.utils.cpp_extension import load
 
             extensions.prepare_build(FUSED_OP)
-            _loaded = load(name=FUSED_OP, sources=[str(_SOURCE)], extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
-                           verbose=False)
+            _loaded = load(name=extensions.build_name(FUSED_OP), sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
+                           extra_ldflags=["-fopenmp"], verbose=False)
     return _loaded
 
 
