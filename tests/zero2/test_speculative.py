@@ -32,10 +32,12 @@ def make_engine(precision: str, *, speculative: bool, grad_accum: int = 1, clip:
     return engine
 
 
-def train(engine: Engine, steps: int, grad_accum: int = 1, inf_at: int | None = None,
-          clip_at: int | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+def train(engine: Engine, steps: int, grad_accum: int = 1, inf_at: int | None = None, clip_at: int | None = None,
+          rescale_at: int | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Losses of each micro-batch, and the fp32 master and moments at the end. `inf_at`: that step's gradients
-    hold an inf (an overflow, as tests/zero2/test_overflow.py makes one); `clip_at`: that step clips."""
+    hold an inf (an overflow, as tests/zero2/test_overflow.py makes one); `clip_at`: that step clips;
+    `rescale_at`: the loss scale becomes 2 between that step's backward and its update (as a dynamic scaler
+    moves it; fp16, which has one, needs a GPU), and stays 2."""
     losses = []
     param = next(p for n, p in engine.module.named_parameters() if "layer.0.SelfAttention.q" in n)
     opt = engine.optimizer
@@ -45,6 +47,8 @@ def train(engine: Engine, steps: int, grad_accum: int = 1, inf_at: int | None = 
         for micro in range(grad_accum):
             loss = engine.forward(fixed_batch(step * grad_accum + micro))
             engine.backward(loss)
+            if step == rescale_at and micro == grad_accum - 1:
+                opt.loss_scale = 2.0
             engine.step()
             losses.append(loss.item())
         opt.clip_grad = clip
@@ -103,6 +107,14 @@ def test_an_overflowed_step_rolls_its_speculation_back_and_the_next_step_specula
     assert all(torch.isfinite(v).all() for v in speculated[1].values())
     assert counts["rolled_back_chunks"] > 20
     assert counts["speculated_chunks"] - counts["rolled_back_chunks"] > 2 * 20  # steps 2, 4 and 5 kept
+
+
+@pytest.mark.numeric
+def test_a_loss_scale_changed_at_the_step_rolls_its_speculation_back():
+    plain, speculated, counts = both("fp32", steps=5, rescale_at=3)
+    assert identical(plain, speculated)
+    assert counts["rolled_back_chunks"] > 20  # step 3's: speculated at scale 1, stepped at 2
+    assert counts["speculated_chunks"] - counts["rolled_back_chunks"] > 2 * 20  # steps 2, 4, 5 (at 2) kept
 
 
 def test_no_speculation_in_deepspeeds_first_steps():
