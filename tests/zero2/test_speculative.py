@@ -193,3 +193,15 @@ def test_a_run_with_the_flag_trains_as_the_pipelined_update_bit_for_bit():
     plain = fitone.train(cpu_config(**common))
     speculated = fitone.train(cpu_config(**common, speculative_update=True))
     assert speculated.update == "pipelined" and speculated.losses == plain.losses
+
+
+def test_the_plan_counts_the_backup_on_the_host():
+    from fitone.plan import plan
+    from fitone.zero2.speculative import SPECULATIVE_BACKUP_BYTES
+
+    t5_3b = dict(model="t5-3b", from_scratch=True, src_len=128, tgt_len=128, precision="fp16", gpu_mem="24GiB",
+                 host_mem="256GiB")
+    without, with_it = plan(**t5_3b), plan(**t5_3b, speculative_update=True)
+    backup = next(c.bytes for c in with_it.host if c.name == "speculation backup")
+    assert backup == SPECULATIVE_BACKUP_BYTES and with_it.host_total == without.host_total + backup
+    assert "speculation backup" not in {c.name for c in without.host}
