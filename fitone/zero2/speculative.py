@@ -106,6 +106,7 @@ class Speculation:
         """Before a backward: undo anything unresolved, then speculate in this backward if its step will be
         a pipelined one on existing states (not one of DeepSpeed's first `after`)."""
         self.drop()
+        self.this_step = {"speculated_chunks": 0, "rolled_back_chunks": 0, "speculative_adam_s": 0.0}
         upd, opt = self.update, self.update.opt
         states = [opt.optimizer.state.get(m, {}) for m in opt.single_partition_of_fp32_groups]
         if upd.applied < upd.after or any("step" not in s for s in states):
@@ -121,7 +122,6 @@ class Speculation:
         self._poisoned = False
         self._events = {}
         self.tracker.reset()
-        self.this_step = {"speculated_chunks": 0, "rolled_back_chunks": 0, "speculative_adam_s": 0.0}
         self.armed = True
 
     def _copy_and_speculate(self, param: torch.nn.Parameter) -> None:
