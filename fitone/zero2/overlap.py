@@ -306,6 +306,15 @@ class PipelinedUpdate(OverlappedStep):
 
     def _launch(self, norm: torch.Tensor | None, hyper: list[dict[str, Any]], deepspeeds: bool = False) -> None:
         """Start the update in the thread; `deepspeeds`: with DeepSpeed's unscale/clip and CPU Adam."""
+        if self.rounding is not None:  # the 16-bit arithmetic from the first step on
+            kernel, scale = self._adam_16bit, self._combined_scale(norm)
+        elif deepspeeds:
+            kernel, scale = self._deepspeeds_adam, norm
+        else:
+            kernel, scale = self._adam, self._combined_scale(norm)
+        kept, speculated = frozenset(), {}
+        if self.speculation is not None:  # what it ran exactly as `kernel` will is kept, the rest undone (sync drops)
+            kept, speculated = self.speculation.resolve(kernel, scale, hyper), dict(self.speculation.this_step)
         self.sync()  # the previous update is complete (the forward and backward since needed all of it)
         grads = None if self.host is not None else [p.grad for p in self.opt.single_partition_of_fp32_groups]
         self._release_step_buffers()
@@ -319,15 +328,7 @@ class PipelinedUpdate(OverlappedStep):
         if self._side is not None:  # the copies must not overwrite weights the last backward still reads
             done = torch.cuda.Event()
             done.record()
-        if self.rounding is not None:  # the 16-bit arithmetic from the first step on
-            kernel, scale = self._adam_16bit, self._combined_scale(norm)
-        elif deepspeeds:
-            kernel, scale = self._deepspeeds_adam, norm
-        else:
-            kernel, scale = self._adam, self._combined_scale(norm)
-        if self.speculation is not None:  # what it ran exactly as `kernel` would is kept; the rest undone
-            self._kept = self.speculation.resolve(kernel, scale, hyper, steps)
-            self._speculated = dict(self.speculation.this_step)
+        self._kept, self._speculated = kept, speculated
         self.pending = self._pool.submit(self._cpu_update, kernel, grads, scale, hyper, steps, done)
 
     def _gradient(self, grads: list[torch.Tensor] | None, i: int, lo: int, hi: int) -> torch.Tensor:
@@ -416,6 +417,8 @@ class PipelinedUpdate(OverlappedStep):
             kernel(i, self._gradient(grads, i, a, b), scale, hyper, step, a, b)
 
     def sync(self) -> None:
+        if self.speculation is not None:  # a speculation no step resolved (read or saved now) is undone
+            self.speculation.drop()
         if self.pending is None:
             return
         pending, self.pending = self.pending, None

@@ -168,10 +168,11 @@ class Speculation:
         self.totals["speculative_adam_s"] += seconds
 
     # -- at the step -------------------------------------------------------------------------------------
-    def resolve(self, kernel: Any, scale: float | None, hyper: list[dict[str, Any]],
-                steps: list[int]) -> frozenset[tuple[int, int]]:
-        """At the update's launch, with what it will run: the (group, chunk)s whose Adam already ran exactly
-        so (the update skips their Adam); every other speculated chunk is restored."""
+    def resolve(self, kernel: Any, scale: float | None, hyper: list[dict[str, Any]]) -> frozenset[tuple[int, int]]:
+        """At the update's launch, before it counts the step, with what it will run: the (group, chunk)s whose
+        Adam already ran exactly so (the update skips their Adam); every other speculated chunk is restored."""
+        opt = self.update.opt
+        steps = [opt.optimizer.state.get(m, {}).get("step", 0) + 1 for m in opt.single_partition_of_fp32_groups]
         error = self._settle()
         same = (error is None and not self._poisoned and kernel == self._kernel and scale == self._scale)
         kept = [e for e in self._outstanding
