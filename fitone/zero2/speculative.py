@@ -200,10 +200,8 @@ class Speculation:
         with self._lock:
             self.armed = False
             futures, self._futures = self._futures, []
-        error = None
-        for future in futures:
-            error = error or future.exception()
-        return error
+        errors = [future.exception() for future in futures]  # waits for every one, an error or not
+        return next((e for e in errors if e is not None), None)
 
     def _restore(self, entries: list[tuple[int, int, int, int, int]]) -> None:
         opt = self.update.opt

@@ -145,6 +145,32 @@ def test_a_backward_whose_step_never_comes_is_undone_before_anything_reads_the_s
         engine.close()
 
 
+def test_a_failed_speculation_is_undone_and_raised_at_the_step():
+    """An error in the thread's speculative Adam (injected; a real one would be e.g. host memory running out)
+    restores every chunk it backed up and raises where the step is decided, not later."""
+    engine = make_engine("fp32", speculative=True)
+    try:
+        train(engine, 2)
+        opt = engine.optimizer
+        master = opt.single_partition_of_fp32_groups[0]
+        before = master.data.clone()
+        adam = engine.overlap._adam
+
+        def failing(i, grad, scale, hyper, step, lo=0, hi=None):
+            adam(i, grad, scale, hyper, step, lo, hi)  # the chunk is written, then the error
+            if lo >= 4 * CHUNK:
+                raise RuntimeError("injected speculative Adam failure")
+
+        engine.overlap._adam = failing
+        engine.backward(engine.forward(fixed_batch(9)))
+        with pytest.raises(RuntimeError, match="injected speculative Adam failure"):
+            engine.step()
+        assert torch.equal(before, master.data)
+    finally:
+        engine.overlap._adam = adam
+        engine.close()
+
+
 def test_a_chunk_is_speculated_only_once_every_parameter_overlapping_it_is_on_the_host():
     # one group in chunks [0, 10) [10, 20) [20, 25); parameters a [0, 4), b [4, 15), c [15, 25)
     tracker = ChunkTracker([[10, 20, 25]], {"a": (0, 0, 4), "b": (0, 4, 15), "c": (0, 15, 25)})
