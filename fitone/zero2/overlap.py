@@ -199,8 +199,10 @@ class PipelinedUpdate(OverlappedStep):
     nearest, or to the nearest with a bf16 compensation buffer (made here, in the optimizer's state, so that
     checkpoints carry it).
 
-    One process only: with several ranks the updated partitions would have to be all-gathered before any
-    forward could use them. `model` is the engine's module (forward pre-hooks go on its submodules).
+    `speculative` (opt-in, fp32 states only): chunks' Adam run early, during the boundary backward, kept only where
+    bit-identical (fitone.zero2.speculative). One process only: with several ranks the updated partitions would
+    have to be all-gathered before any forward could use them. `model` is the engine's module (forward pre-hooks
+    go on its submodules).
     """
 
     name = "pipelined update"
