@@ -86,6 +86,7 @@ class TrainConfig:
     # offload: fitone.zero2.step_mode), False: DeepSpeed's own step, True: asked for (an error where it cannot run)
     pipelined_update: bool | None = None
     optimizer_states: str = "fp32"  # one of OPTIMIZER_STATES; bf16 ones need --precision bf16 (fitone.zero2.step_mode)
+    speculative_update: bool = False  # the pipelined update's Adam during the backward (fitone.zero2.speculative)
     ds_config: str | None = None
     max_gpu_memory: str | None = None
     expandable_segments: bool = True  # CUDA allocator: grow segments in place instead of fragmenting
@@ -241,8 +242,21 @@ class TrainConfig:
         if self.optimizer_states != "fp32" and self.offload != "cpu":
             raise ConfigError(f"--optimizer-states {self.optimizer_states} keeps ZeRO-2's offloaded optimizer state in "
                               "16 bits on the host: it needs --offload cpu")
+        if self.speculative_update:
+            self._check_speculative_update()
         if self.delayed_update_after < 0:
             raise ConfigError(f"--delayed-update-after must be 0 or more, got {self.delayed_update_after}")
+
+    def _check_speculative_update(self) -> None:
+        flag = "--speculative-update"  # the pipelined update's exact mode, run early (fitone.zero2.speculative)
+        if self.offload != "cpu":
+            raise ConfigError(f"{flag} runs the CPU optimizer's Adam during the backward: it needs --offload cpu")
+        if self.delayed_update:
+            raise ConfigError(f"{flag} runs in the pipelined update, not the delayed update: drop one of them")
+        if self.optimizer_states != "fp32":
+            raise ConfigError(f"{flag} runs on the exact mode's states: give --optimizer-states fp32, or drop it")
+        if self.pipelined_update is False:
+            raise ConfigError(f"{flag} runs in the pipelined update: drop --no-pipelined-update, or drop {flag}")
 
     def _check_schedule(self) -> None:
         if not (self.lr > 0):
@@ -332,6 +346,7 @@ class MemorySettings(_Section):
     delayed_update_after: int
     pipelined_update: bool | None
     optimizer_states: str
+    speculative_update: bool
     ds_config: str | None
     max_gpu_memory: str | None
     expandable_segments: bool

@@ -24,12 +24,13 @@ class Engine:
     """A DeepSpeed ZeRO-2 engine around a model, with the few operations training and probing need."""
 
     def __init__(self, model: torch.nn.Module, ds_config: dict[str, Any], *, delayed_after: int | None = None,
-                 pipelined: bool = False, states: str = "fp32", rounding_seed: int = 0):
+                 pipelined: bool = False, states: str = "fp32", rounding_seed: int = 0, speculative: bool = False):
         """delayed_after: start the one-step delayed parameter update after that many plain steps;
         pipelined: the pipelined update from the second step, on the lean host layout (fitone.zero2);
         states: its optimizer state in 16 bits ('bf16', 'bf16-nearest', 'bf16-kahan': `ds_config` has
-        DeepSpeed's bf16 master weights and states), rounded with `rounding_seed`. Default: DeepSpeed's step. A run's
-        StepMode.engine_options() gives them all."""
+        DeepSpeed's bf16 master weights and states), rounded with `rounding_seed`; speculative: its Adam during
+        the backward (fitone.zero2.speculative). Default: DeepSpeed's step. A run's StepMode.engine_options() gives
+        them all."""
         import deepspeed
 
         timing.engine_starting()  # a benchmark's callback, inside zero2.timing.timed_engines() only
@@ -51,7 +52,8 @@ class Engine:
         elif pipelined:
             self.host = layout.LeanHost(self.optimizer)
             self.overlap = overlap.PipelinedUpdate(self.optimizer, self.ds.module, after=1, host=self.host,
-                                                   states=states, rounding_seed=rounding_seed)
+                                                   states=states, rounding_seed=rounding_seed,
+                                                   speculative=speculative)
         elif states != "fp32":
             raise ValueError(f"optimizer states {states} run in the pipelined update only")
         memory.trim_heap()  # the model's host copy, moved to the GPU, would otherwise stay in the RSS

@@ -17,7 +17,8 @@ from _tools_split import EngineSplit, split_fields
 # fitone with these options (`fitone` alone: its defaults, the pipelined update on one GPU)
 FITONE_VARIANTS = {"fitone-delayed": {"delayed_update": True, "delayed_update_after": 1},
                    "fitone-pipelined": {"pipelined_update": True},
-                   "fitone-deepspeed-step": {"pipelined_update": False}}
+                   "fitone-deepspeed-step": {"pipelined_update": False},
+                   "fitone-speculative": {"pipelined_update": True, "speculative_update": True}}
 # fitone's defaults with Adam's 16-bit gradients widened in slices of this many elements (fitone.zero2.layout)
 WIDEN_VARIANTS = {"fitone-widen-2m": 2**21, "fitone-widen-8m": 2**23}
 
@@ -28,10 +29,12 @@ def measure_fitone(job: dict[str, Any]) -> Iterator[dict[str, Any]]:
 
     `fitone` runs fitone's defaults (on one GPU: the pipelined update); fitone-deepspeed-step /
     fitone-pipelined / fitone-delayed force DeepSpeed's step, the pipelined update, or the delayed update
-    from the second step; fitone-widen-2m / -8m widen Adam's 16-bit gradients in slices of that many
-    elements instead of a whole chunk. The split detail only for DeepSpeed's step: an overlapped update's CPU work runs
-    beside the next step's GPU work; its split has the update's own counters instead (update_cpu_adam_s,
-    update_thread_s, update_wait_s). With --grad-accum K, global_batch = micro x K: a step is K
+    from the second step; fitone-speculative the pipelined update with --speculative-update; fitone-widen-2m /
+    -8m widen Adam's 16-bit gradients in slices of that many elements instead of a whole chunk. The split
+    detail only for DeepSpeed's step: an overlapped update's CPU work runs beside the next step's GPU work; its
+    split has the update's own counters instead (update_cpu_adam_s, update_thread_s, update_wait_s; with
+    --speculative-update also update_speculated_chunks, update_rolled_back_chunks, update_speculative_adam_s).
+    With --grad-accum K, global_batch = micro x K: a step is K
     micro-batches. peak_gpu_init_gib is the harness's reading over fitone's whole Engine construction;
     engine_init_peak_gpu_gib fitone's own count where its Engine exposes one (init_peak_gpu_bytes).
     """

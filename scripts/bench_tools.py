@@ -43,11 +43,12 @@ from _tools_child import PARTIAL, RECORD
 __all__ = ["resolve_out"]  # the results file's name, tested here
 
 TOOLS = ("fitone", "deepspeed", "hf-trainer", "torch-plain", "torch-plain-uncapped", "hf-trainer-auto-find",
-         "fitone-delayed", "fitone-pipelined", "fitone-deepspeed-step", "fitone-widen-2m", "fitone-widen-8m")
+         "fitone-delayed", "fitone-pipelined", "fitone-deepspeed-step", "fitone-widen-2m", "fitone-widen-8m",
+         "fitone-speculative")
 DEFAULT_TOOLS = TOOLS[:5]
 REUSABLE = {"deepspeed", "torch-plain", "torch-plain-uncapped"}  # one engine/model serves every size (--same-process)
 CAPPED = {"fitone", "deepspeed", "hf-trainer", "torch-plain", "hf-trainer-auto-find", "fitone-delayed",
-          "fitone-pipelined", "fitone-deepspeed-step", "fitone-widen-2m", "fitone-widen-8m"}
+          "fitone-pipelined", "fitone-deepspeed-step", "fitone-widen-2m", "fitone-widen-8m", "fitone-speculative"}
 QUICK = {"model": "t5-large", "batch_sizes": [16, 64], "tools": ["fitone", "deepspeed"]}
 
 # The fields every record has, in this order (measured ones are None where a run did not get that far).
@@ -57,7 +58,7 @@ FIELDS = ("tool", "model", "params", "precision", "src_len", "tgt_len", "seq_len
           "init_s", "oom", "error", "gpu", "date", "command")
 # tools that take --grad-accum above 1 (the others' loops have no accumulation)
 ACCUMULATING = {"deepspeed", "fitone", "fitone-delayed", "fitone-pipelined", "fitone-deepspeed-step",
-                "fitone-widen-2m", "fitone-widen-8m"}
+                "fitone-widen-2m", "fitone-widen-8m", "fitone-speculative"}
 LENGTHS = {"src_len": 128, "tgt_len": 128, "seq_len": 512}  # fitone's TrainConfig defaults (a test checks)
 
 

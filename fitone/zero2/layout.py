@@ -68,6 +68,27 @@ def world_size(opt: Any) -> int:
     return max(dist.get_world_size(group=g) for g in opt.real_dp_process_group)
 
 
+def module_needs(opt: Any, model: torch.nn.Module) -> list[tuple[torch.nn.Module, list[tuple[int, int]]]]:
+    """For each module of `model` with parameters of its own: (group, last element) of each of the ZeRO-2
+    optimizer's flat 16-bit groups it reads (what the pipelined update's forward waits for)."""
+    where: dict[int, tuple[int, int]] = {}  # param data_ptr -> (group, end offset in the flat buffer)
+    for i, (flat, params) in enumerate(zip(opt.bit16_groups_flat, opt.bit16_groups)):
+        base, size = flat.data_ptr(), flat.element_size()
+        for p in params:
+            start = (p.data.data_ptr() - base) // size
+            where[p.data_ptr()] = (i, start + p.numel())
+    needs = []
+    for module in model.modules():
+        ends: dict[int, int] = {}
+        for p in module.parameters(recurse=False):
+            if p.data_ptr() in where:
+                i, end = where[p.data_ptr()]
+                ends[i] = max(ends.get(i, 0), end)
+        if ends:
+            needs.append((module, sorted(ends.items())))
+    return needs
+
+
 def lean_offload_config(ds: dict[str, Any]) -> dict[str, Any]:
     """The DeepSpeed config the lean layout is built on: DeepSpeed allocates plain host memory (no pinned
     power-of-two blocks); `LeanHost` page-locks the two buffers the GPU copies touch, in place."""

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 from fitone.zero2 import low_precision
-from fitone.zero2.layout import CHUNK_ELEMENTS, world_size
+from fitone.zero2 import speculative as speculative_update
+from fitone.zero2.layout import CHUNK_ELEMENTS, module_needs, world_size
 
 UPLOAD_CHUNK = CHUNK_ELEMENTS  # elements per pipelined Adam + upload chunk (two fp32 chunks on the GPU: 256 MiB)
 # DeepSpeedCPUAdam's C++ step runs whole SIMD blocks (up to 16 lanes x 8) and a scalar tail: chunks cut at
@@ -99,9 +100,12 @@ class OverlappedStep:
             return None
         if norm is not None:
             opt._global_grad_norm = norm / prev_scale
-        hyper = [dict(lr=g["lr"], betas=g["betas"], eps=g["eps"], weight_decay=g["weight_decay"],
-                      bias_correction=g.get("bias_correction", True)) for g in opt.optimizer.param_groups]
-        return norm, hyper
+        return norm, self.hyperparameters()
+
+    def hyperparameters(self) -> list[dict[str, Any]]:
+        """Each group's Adam hyperparameters as the step will use them (the scheduler moves lr after it)."""
+        return [dict(lr=g["lr"], betas=g["betas"], eps=g["eps"], weight_decay=g["weight_decay"],
+                     bias_correction=g.get("bias_correction", True)) for g in self.opt.optimizer.param_groups]
 
     def _combined_scale(self, norm: torch.Tensor | None) -> float | None:
         """What DeepSpeed's unscale_and_clip_grads divides by (loss scale x clip factor), or None for 1."""
@@ -195,15 +199,18 @@ class PipelinedUpdate(OverlappedStep):
     nearest, or to the nearest with a bf16 compensation buffer (made here, in the optimizer's state, so that
     checkpoints carry it).
 
-    One process only: with several ranks the updated partitions would have to be all-gathered before any
-    forward could use them. `model` is the engine's module (forward pre-hooks go on its submodules).
+    `speculative` (opt-in, fp32 states only): chunks' Adam run early, during the boundary backward, kept only where
+    bit-identical (fitone.zero2.speculative). One process only: with several ranks the updated partitions would
+    have to be all-gathered before any forward could use them. `model` is the engine's module (forward pre-hooks
+    go on its submodules).
     """
 
     name = "pipelined update"
 
     def __init__(self, optimizer: Any, model: torch.nn.Module, *, after: int, chunk_elements: int | None = None,
-                 host: Any = None, states: str = "fp32", rounding_seed: int = 0):
-        """chunk_elements: per Adam + upload chunk (default: the lean layout's chunk, else UPLOAD_CHUNK)."""
+                 host: Any = None, states: str = "fp32", rounding_seed: int = 0, speculative: bool = False):
+        """chunk_elements: per Adam + upload chunk (default: the lean layout's chunk, else UPLOAD_CHUNK);
+        speculative: Adam on chunks during the boundary backward (fitone.zero2.speculative; exact mode only)."""
         super().__init__(optimizer, after=after)
         if world_size(optimizer) > 1:
             self.close()
@@ -226,6 +233,9 @@ class PipelinedUpdate(OverlappedStep):
             raise ValueError(f"the pipelined update on the lean layout runs DeepSpeedCPUAdam in chunks and "
                              f"widened slices of a multiple of {SIMD_BLOCK} elements, chunks at most the "
                              f"layout's {host.chunk_elements}")
+        if speculative and (self.rounding is not None or host is None):
+            self.close()
+            raise ValueError("the speculative update runs on the lean layout with fp32 optimizer states only")
         self.host = host
         for master in optimizer.single_partition_of_fp32_groups if self.compensated else []:
             optimizer.optimizer.state[master]["compensation"] = torch.zeros_like(master.data)
@@ -244,30 +254,14 @@ class PipelinedUpdate(OverlappedStep):
             self._landing = [torch.empty(size, dtype=optimizer.single_partition_of_fp32_groups[0].dtype,
                                          device=optimizer.bit16_groups_flat[0].device) for _ in range(2)]
         self._hooks = [m.register_forward_pre_hook(self._pre_forward(needs))
-                       for m, needs in self._module_needs(model)]
+                       for m, needs in module_needs(optimizer, model)]
+        self._kept: frozenset[tuple[int, int]] = frozenset()  # (group, chunk)s whose Adam speculation ran
+        self._speculated: dict[str, float] = {}  # the pending update's speculation counters (timing dict)
+        self.speculation = speculative_update.Speculation(self) if speculative else None
 
     def _plan_chunks(self, chunk_elements: int) -> list[list[int]]:
         return [list(range(chunk_elements, p.numel(), chunk_elements)) + [p.numel()]
                 for p in self.opt.single_partition_of_fp32_groups]
-
-    def _module_needs(self, model: torch.nn.Module) -> list[tuple[torch.nn.Module, list[tuple[int, int]]]]:
-        """For each module with parameters of its own: (group, last element) of each group it reads."""
-        where: dict[int, tuple[int, int]] = {}  # param data_ptr -> (group, end offset in the flat buffer)
-        for i, (flat, params) in enumerate(zip(self.opt.bit16_groups_flat, self.opt.bit16_groups)):
-            base, size = flat.data_ptr(), flat.element_size()
-            for p in params:
-                start = (p.data.data_ptr() - base) // size
-                where[p.data_ptr()] = (i, start + p.numel())
-        needs = []
-        for module in model.modules():
-            ends: dict[int, int] = {}
-            for p in module.parameters(recurse=False):
-                if p.data_ptr() in where:
-                    i, end = where[p.data_ptr()]
-                    ends[i] = max(ends.get(i, 0), end)
-            if ends:
-                needs.append((module, sorted(ends.items())))
-        return needs
 
     def _pre_forward(self, needs: list[tuple[int, int]]):
         def hook(_module: torch.nn.Module, _inputs: Any) -> None:
@@ -296,6 +290,13 @@ class PipelinedUpdate(OverlappedStep):
         forward has normally waited for every chunk already; this covers weights it did not use."""
         for i, ends in enumerate(self.chunks if self.ready else []):
             self._wait_for(i, len(ends) - 1)
+        if self.speculation is not None:  # every chunk's last Adam has run: this backward may speculate
+            self.speculation.arm()
+
+    def step(self, closure: Any = None) -> None:
+        super().step(closure)
+        if self.speculation is not None:  # an overflowed step launched nothing: its speculation is undone
+            self.speculation.drop()
 
     def _first_step(self) -> None:
         if self.host is None:
@@ -307,6 +308,15 @@ class PipelinedUpdate(OverlappedStep):
 
     def _launch(self, norm: torch.Tensor | None, hyper: list[dict[str, Any]], deepspeeds: bool = False) -> None:
         """Start the update in the thread; `deepspeeds`: with DeepSpeed's unscale/clip and CPU Adam."""
+        if self.rounding is not None:  # the 16-bit arithmetic from the first step on
+            kernel, scale = self._adam_16bit, self._combined_scale(norm)
+        elif deepspeeds:
+            kernel, scale = self._deepspeeds_adam, norm
+        else:
+            kernel, scale = self._adam, self._combined_scale(norm)
+        kept, speculated = frozenset(), {}
+        if self.speculation is not None:  # what it ran exactly as `kernel` will is kept, the rest undone (sync drops)
+            kept, speculated = self.speculation.resolve(kernel, scale, hyper), dict(self.speculation.this_step)
         self.sync()  # the previous update is complete (the forward and backward since needed all of it)
         grads = None if self.host is not None else [p.grad for p in self.opt.single_partition_of_fp32_groups]
         self._release_step_buffers()
@@ -320,12 +330,7 @@ class PipelinedUpdate(OverlappedStep):
         if self._side is not None:  # the copies must not overwrite weights the last backward still reads
             done = torch.cuda.Event()
             done.record()
-        if self.rounding is not None:  # the 16-bit arithmetic from the first step on
-            kernel, scale = self._adam_16bit, self._combined_scale(norm)
-        elif deepspeeds:
-            kernel, scale = self._deepspeeds_adam, norm
-        else:
-            kernel, scale = self._adam, self._combined_scale(norm)
+        self._kept, self._speculated = kept, speculated
         self.pending = self._pool.submit(self._cpu_update, kernel, grads, scale, hyper, steps, done)
 
     def _gradient(self, grads: list[torch.Tensor] | None, i: int, lo: int, hi: int) -> torch.Tensor:
@@ -373,18 +378,14 @@ class PipelinedUpdate(OverlappedStep):
                 self._side.wait_event(backward_done)
             start = time.perf_counter()
             adam_s = 0.0
-            # Adam runs on each widened slice while it is in cache; fp32 gradients are read a chunk at a time
-            widen = self.host.widen_elements if grads is None and self.host.widens else None
-            k = 0  # chunks uploaded: alternates the two landing buffers
+            k, kept = 0, self._kept  # k: chunks uploaded, alternating the two landing buffers
             for i, master in enumerate(opt.single_partition_of_fp32_groups):
                 target = opt.parallel_partitioned_bit16_groups[i][0]
                 lo = 0
                 for c, hi in enumerate(self.chunks[i]):
                     t0 = time.perf_counter()
-                    piece = widen or hi - lo
-                    for a in range(lo, hi, piece):
-                        b = min(a + piece, hi)
-                        kernel(i, self._gradient(grads, i, a, b), scale, hyper[i], steps[i], a, b)
+                    if (i, c) not in kept:  # a kept speculation already ran this very Adam on the chunk
+                        self._adam_chunk(kernel, grads, scale, hyper[i], steps[i], i, lo, hi)
                     adam_s += time.perf_counter() - t0
                     if self._side is not None:  # the side stream runs chunks in order: a landing buffer is
                         landing = self._landing[k % 2][:hi - lo]  # free once the cast two chunks back is done
@@ -408,11 +409,22 @@ class PipelinedUpdate(OverlappedStep):
                 for event in events:
                     event.set()
 
+    def _adam_chunk(self, kernel: Any, grads: list[torch.Tensor] | None, scale: Any, hyper: dict[str, Any],
+                    step: int, i: int, lo: int, hi: int) -> None:
+        """`kernel` on elements [lo, hi) of group i, a widened slice at a time (fp32 gradients: at once)."""
+        widen = self.host.widen_elements if grads is None and self.host.widens else None
+        piece = widen or hi - lo
+        for a in range(lo, hi, piece):
+            b = min(a + piece, hi)
+            kernel(i, self._gradient(grads, i, a, b), scale, hyper, step, a, b)
+
     def sync(self) -> None:
+        if self.speculation is not None:  # a speculation no step resolved (read or saved now) is undone
+            self.speculation.drop()
         if self.pending is None:
             return
         pending, self.pending = self.pending, None
-        timing = self._result(pending)
+        timing = {**self._result(pending), **self._speculated}
         for i, ends in enumerate(self.chunks):
             self._wait_for(i, len(ends) - 1)  # the GPU stream now follows every upload
         if self._side is not None:
@@ -427,3 +439,5 @@ class PipelinedUpdate(OverlappedStep):
         finally:
             for handle in getattr(self, "_hooks", []):
                 handle.remove()
+            if getattr(self, "speculation", None) is not None:  # undoes a speculation whose step never came
+                self.speculation.close()

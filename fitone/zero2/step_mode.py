@@ -27,6 +27,7 @@ class StepMode:
     delayed_after: int = 0  # the delayed update's plain steps first
     states: str = "fp32"  # the optimizer's host state (fitone.config.OPTIMIZER_STATES)
     rounding_seed: int = 0  # keys stochastic rounding's bits (fitone.zero2.low_precision)
+    speculative: bool = False  # the pipelined update's Adam during the backward (fitone.zero2.speculative)
 
     @property
     def name(self) -> str:
@@ -42,11 +43,13 @@ class StepMode:
         """fitone.engine.Engine's keyword arguments: training and the probe build the same engine, so a
         probe's trials hold what training will hold (the pipelined update's landing chunks on the GPU)."""
         return {"delayed_after": self.delayed_after if self.name == DELAYED else None,
-                "pipelined": self.name == PIPELINED, "states": self.states, "rounding_seed": self.rounding_seed}
+                "pipelined": self.name == PIPELINED, "states": self.states, "rounding_seed": self.rounding_seed,
+                "speculative": self.speculative and self.name == PIPELINED}
 
 
 def decide(ds: dict[str, Any], *, delayed_update: bool, delayed_update_after: int, pipelined_update: bool | None,
-           world_size: int, on_gpu: bool, optimizer_states: str = "fp32", seed: int = 0) -> StepMode:
+           world_size: int, on_gpu: bool, optimizer_states: str = "fp32", seed: int = 0,
+           speculative_update: bool = False) -> StepMode:
     """The step for these flags and `ds` (the DeepSpeed config, the user's --ds-config merged in); a flag that
     cannot be honoured is a ConfigError. A CPU device (nothing to overlap with) and a `ds` that moves the
     optimizer off the CPU, swaps in torch.optim's Adam or sums the gradients in another dtype than the weights'
@@ -69,6 +72,7 @@ def decide(ds: dict[str, Any], *, delayed_update: bool, delayed_update_after: in
     if optimizer_states != "fp32" or (ds.get("bf16") or {}).get("bf16_master_weights_and_grads"):
         _check_16bit_states(ds, optimizer_states, cpu_adam=cpu_adam, lean=lean, delayed_update=delayed_update,
                             pipelined_update=pipelined_update, world_size=world_size)
+        _check_speculative(speculative_update, PIPELINED, world_size, optimizer_states)
         return StepMode(one_gpu=PIPELINED, world_size=world_size, states=optimizer_states, rounding_seed=seed)
     if delayed_update:
         one_gpu = DELAYED
@@ -78,7 +82,24 @@ def decide(ds: dict[str, Any], *, delayed_update: bool, delayed_update_after: in
         zero = ds.get("zero_optimization") or {}
         offloaded = (zero.get("offload_optimizer") or {}).get("device") == "cpu"
         one_gpu = PIPELINED if on_gpu and offloaded and cpu_adam and lean else DEEPSPEED
-    return StepMode(one_gpu=one_gpu, world_size=world_size, delayed_after=delayed_update_after)
+    _check_speculative(speculative_update, one_gpu, world_size, optimizer_states)
+    return StepMode(one_gpu=one_gpu, world_size=world_size, delayed_after=delayed_update_after,
+                    speculative=speculative_update)
+
+
+def _check_speculative(asked: bool, one_gpu: str, world_size: int, states: str) -> None:
+    """--speculative-update runs in the pipelined update's exact mode on one GPU, and only there."""
+    if not asked:
+        return
+    if states != "fp32":
+        raise ConfigError(f"--speculative-update runs on the exact mode's states: drop --optimizer-states {states}, "
+                          "or drop --speculative-update")
+    if world_size > 1:
+        raise ConfigError("--speculative-update runs in the pipelined update, on one GPU: drop it under a launcher")
+    if one_gpu != PIPELINED:
+        raise ConfigError("--speculative-update runs in the pipelined update, which this run does not take: give "
+                          "--pipelined-update (it needs DeepSpeedCPUAdam on --offload cpu), or drop "
+                          "--speculative-update")
 
 
 def _check_16bit_states(ds: dict[str, Any], states: str, *, cpu_adam: bool, lean: bool, delayed_update: bool,

@@ -148,7 +148,10 @@ class OptimizerDetail:
             self.optimizer.timers = self._timers
 
 
-_UPDATE_NAMES = {"adam_s": "update_cpu_adam_s", "thread_s": "update_thread_s", "wait_s": "update_wait_s"}
+_UPDATE_NAMES = {"adam_s": "update_cpu_adam_s", "thread_s": "update_thread_s", "wait_s": "update_wait_s",
+                 # --speculative-update's (fitone.zero2.speculative): chunks whose Adam ran in the backward
+                 "speculated_chunks": "update_speculated_chunks", "rolled_back_chunks": "update_rolled_back_chunks",
+                 "speculative_adam_s": "update_speculative_adam_s"}
 
 
 class PhaseTimer:

@@ -158,6 +158,15 @@ def test_the_widening_variants_are_fitone_tools_that_cap_and_accumulate():
         assert tool not in measure.FITONE_VARIANTS and elements % 256 == 0  # whole SIMD blocks (zero2.overlap)
 
 
+def test_the_speculative_variant_is_a_fitone_tool_that_caps_and_accumulates():
+    """fitone-speculative (--speculative-update; a GPU A/B against fitone-pipelined, bench/NOTES.md)."""
+    from fitone.config import TrainConfig
+
+    tool = "fitone-speculative"
+    assert tool in bench.TOOLS and tool in bench.CAPPED and tool in bench.ACCUMULATING
+    TrainConfig(model="t5-tiny", **measure.FITONE_VARIANTS[tool]).validate()
+
+
 def test_a_child_that_times_out_leaves_an_error_record_and_the_file(tmp_path):
     out = tmp_path / "r.json"
     proc = _run(["--tools", "deepspeed", *SMOKE, "--out", str(out), "--timeout", "2"], timeout=120)

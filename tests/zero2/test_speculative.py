@@ -1,0 +1,237 @@
+"""The speculative CPU Adam (fitone.zero2.speculative) on real DeepSpeed ZeRO-2 CPU-offload engines: with it on,
+every step's loss and the final fp32 master weights and Adam moments are the pipelined update's, bit for bit,
+whether its speculation is kept, undone by clipping, or undone by an overflow.
+
+Tiny T5 on the CPU, the update in 4096-element chunks so the model has many. What cannot be shown here is the
+speed: on a GPU the speculation runs while the GPU computes the backward; here both share the same cores.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import cpu_config, fixed_batch, tiny_engine
+from fitone.engine import Engine
+from fitone.errors import ConfigError
+from fitone.zero2.speculative import ChunkTracker
+
+CHUNK = 4096
+
+
+def make_engine(precision: str, *, speculative: bool, grad_accum: int = 1, clip: float = 1e6) -> Engine:
+    """The engine's pipelined update in CHUNK-element chunks; `clip`: the max gradient norm (large: clipping
+    never fires, so speculation is kept)."""
+    from fitone.zero2.overlap import PipelinedUpdate
+
+    engine = tiny_engine(precision, pipelined=True, grad_accum=grad_accum)
+    engine.overlap.close()
+    engine.overlap = PipelinedUpdate(engine.optimizer, engine.module, after=1, chunk_elements=CHUNK,
+                                     host=engine.host, speculative=speculative)
+    engine.optimizer.clip_grad = clip
+    return engine
+
+
+def train(engine: Engine, steps: int, grad_accum: int = 1, inf_at: int | None = None, clip_at: int | None = None,
+          rescale_at: int | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Losses of each micro-batch, and the fp32 master and moments at the end. `inf_at`: that step's gradients
+    hold an inf (an overflow, as tests/zero2/test_overflow.py makes one); `clip_at`: that step clips;
+    `rescale_at`: the loss scale becomes 2 between that step's backward and its update (as a dynamic scaler
+    moves it; fp16, which has one, needs a GPU), and stays 2."""
+    losses = []
+    param = next(p for n, p in engine.module.named_parameters() if "layer.0.SelfAttention.q" in n)
+    opt = engine.optimizer
+    for step in range(1, steps + 1):
+        handle = param.register_hook(lambda g: torch.full_like(g, float("inf"))) if step == inf_at else None
+        opt.clip_grad, clip = (1e-6, opt.clip_grad) if step == clip_at else (opt.clip_grad, opt.clip_grad)
+        for micro in range(grad_accum):
+            loss = engine.forward(fixed_batch(step * grad_accum + micro))
+            engine.backward(loss)
+            if step == rescale_at and micro == grad_accum - 1:
+                opt.loss_scale = 2.0
+            engine.step()
+            losses.append(loss.item())
+        opt.clip_grad = clip
+        if handle is not None:
+            handle.remove()
+    engine.sync_weights()
+    master = opt.single_partition_of_fp32_groups
+    state = {f"{k}{i}": (m.data if k == "master" else opt.optimizer.state[m][k]).clone()
+             for i, m in enumerate(master) for k in ("master", "exp_avg", "exp_avg_sq")}
+    return losses, state
+
+
+def both(precision: str, steps: int, grad_accum: int = 1, **train_kwargs) -> tuple[tuple, tuple, dict]:
+    """The same training without and with speculation; the counters of the latter."""
+    results, counts = [], {}
+    for speculative in (False, True):
+        engine = make_engine(precision, speculative=speculative, grad_accum=grad_accum)
+        try:
+            results.append(train(engine, steps, grad_accum, **train_kwargs))
+            if speculative:
+                counts = {**engine.overlap.speculation.totals, "last_timing": dict(engine.overlap.last_timing)}
+        finally:
+            engine.close()
+    return results[0], results[1], counts
+
+
+def identical(plain: tuple, speculated: tuple) -> bool:
+    (losses_a, state_a), (losses_b, state_b) = plain, speculated
+    return losses_a == losses_b and all(torch.equal(state_a[k], state_b[k]) for k in state_a)
+
+
+@pytest.mark.numeric
+@pytest.mark.parametrize("precision, grad_accum", [("fp32", 1), ("bf16", 1), ("fp32", 3), ("bf16", 3)])
+def test_speculation_kept_gives_the_pipelined_update_bit_for_bit(precision, grad_accum):
+    plain, speculated, counts = both(precision, steps=5, grad_accum=grad_accum)
+    assert identical(plain, speculated)
+    # steps 2-5 are pipelined, and every chunk of them was speculated and kept (the budget holds the tiny model)
+    assert counts["speculated_chunks"] >= 4 * 20 and counts["rolled_back_chunks"] == 0
+    assert counts["speculative_adam_s"] > 0
+    last = counts["last_timing"]
+    assert last["speculated_chunks"] > 20 and last["rolled_back_chunks"] == 0 and last["speculative_adam_s"] > 0
+
+
+@pytest.mark.numeric
+def test_a_clipped_step_rolls_its_speculation_back_and_redoes_it():
+    plain, speculated, counts = both("fp32", steps=5, clip_at=3)
+    assert identical(plain, speculated)
+    assert counts["rolled_back_chunks"] > 20  # step 3's chunks, all of them
+    assert counts["speculated_chunks"] > counts["rolled_back_chunks"]  # steps 2, 4 and 5 kept theirs
+
+
+@pytest.mark.numeric
+def test_an_overflowed_step_rolls_its_speculation_back_and_the_next_step_speculates_again():
+    plain, speculated, counts = both("bf16", steps=5, inf_at=3)
+    assert identical(plain, speculated)
+    assert all(torch.isfinite(v).all() for v in speculated[1].values())
+    assert counts["rolled_back_chunks"] > 20
+    assert counts["speculated_chunks"] - counts["rolled_back_chunks"] > 2 * 20  # steps 2, 4 and 5 kept
+
+
+@pytest.mark.numeric
+def test_a_loss_scale_changed_at_the_step_rolls_its_speculation_back():
+    plain, speculated, counts = both("fp32", steps=5, rescale_at=3)
+    assert identical(plain, speculated)
+    assert counts["rolled_back_chunks"] > 20  # step 3's: speculated at scale 1, stepped at 2
+    assert counts["speculated_chunks"] - counts["rolled_back_chunks"] > 2 * 20  # steps 2, 4, 5 (at 2) kept
+
+
+def test_no_speculation_in_deepspeeds_first_steps():
+    engine = make_engine("fp32", speculative=True)
+    try:
+        engine.backward(engine.forward(fixed_batch(1)))
+        engine.step()  # step 1: DeepSpeed's arithmetic, applied at once; nothing speculated
+        assert engine.overlap.speculation.totals["speculated_chunks"] == 0
+    finally:
+        engine.close()
+
+
+def test_a_backward_whose_step_never_comes_is_undone_before_anything_reads_the_states():
+    """A checkpoint, an export or the end between a boundary backward and its step (each syncs the update
+    first) sees the states as they were, not the speculation."""
+    engine = make_engine("fp32", speculative=True)
+    try:
+        train(engine, 2)
+        opt = engine.optimizer
+        master = opt.single_partition_of_fp32_groups[0]
+        before = (master.data.clone(), opt.optimizer.state[master]["exp_avg_sq"].clone())
+        engine.backward(engine.forward(fixed_batch(9)))  # speculates; no step follows
+        assert not torch.equal(before[0], master.data)
+        engine.sync_weights()
+        assert torch.equal(before[0], master.data) and torch.equal(before[1], opt.optimizer.state[master]["exp_avg_sq"])
+        assert engine.overlap.speculation.totals["rolled_back_chunks"] > 20
+    finally:
+        engine.close()
+
+
+def test_a_failed_speculation_is_undone_and_raised_at_the_step():
+    """An error in the thread's speculative Adam (injected; a real one would be e.g. host memory running out)
+    restores every chunk it backed up and raises where the step is decided, not later."""
+    engine = make_engine("fp32", speculative=True)
+    try:
+        train(engine, 2)
+        opt = engine.optimizer
+        master = opt.single_partition_of_fp32_groups[0]
+        before = master.data.clone()
+        adam = engine.overlap._adam
+
+        def failing(i, grad, scale, hyper, step, lo=0, hi=None):
+            adam(i, grad, scale, hyper, step, lo, hi)  # the chunk is written, then the error
+            if lo >= 4 * CHUNK:
+                raise RuntimeError("injected speculative Adam failure")
+
+        engine.overlap._adam = failing
+        engine.backward(engine.forward(fixed_batch(9)))
+        with pytest.raises(RuntimeError, match="injected speculative Adam failure"):
+            engine.step()
+        assert torch.equal(before, master.data)
+    finally:
+        engine.overlap._adam = adam
+        engine.close()
+
+
+def test_a_chunk_is_speculated_only_once_every_parameter_overlapping_it_is_on_the_host():
+    # one group in chunks [0, 10) [10, 20) [20, 25); parameters a [0, 4), b [4, 15), c [15, 25)
+    tracker = ChunkTracker([[10, 20, 25]], {"a": (0, 0, 4), "b": (0, 4, 15), "c": (0, 15, 25)})
+    assert tracker.copied("c") == [(0, 2)]  # chunk 2 is c's alone; chunk 1 still needs b
+    assert tracker.copied("b") == [(0, 1)]  # chunk 0 still needs a
+    assert tracker.copied("a") == [(0, 0)]
+    assert tracker.members((0, 1)) == ["b", "c"] and tracker.bounds(0, 1) == (10, 20)
+    assert tracker.copied("a") is None  # a second copy in one backward: the caller keeps nothing
+    tracker.reset()
+    assert tracker.copied("b") == []
+    # a chunk of padding only (no parameter) never completes
+    assert ChunkTracker([[4, 8]], {"a": (0, 0, 4)}).copied("a") == [(0, 0)]
+
+
+@pytest.mark.parametrize("overrides, says", [
+    (dict(offload="none"), "needs --offload cpu"),
+    (dict(delayed_update=True), "not the delayed update"),
+    (dict(optimizer_states="bf16", precision="bf16"), "--optimizer-states fp32"),
+    (dict(pipelined_update=False), "runs in the pipelined update"),
+])
+def test_speculation_is_refused_where_it_cannot_run(overrides, says):
+    with pytest.raises(ConfigError, match=says) as raised:
+        cpu_config(speculative_update=True, **overrides).validate()
+    assert "\n" not in str(raised.value)
+
+
+def test_speculation_is_refused_on_several_ranks_and_without_the_pipelined_update():
+    from fitone.zero2 import step_mode
+
+    ds = {"optimizer": {"type": "AdamW"}, "zero_optimization": {"offload_optimizer": {"device": "cpu"}}}
+    for kwargs, says in ((dict(world_size=2, on_gpu=True), "one GPU"), (dict(world_size=1, on_gpu=False),
+                                                                         "give --pipelined-update")):
+        with pytest.raises(ConfigError, match=says) as raised:
+            step_mode.decide(ds, delayed_update=False, delayed_update_after=0, pipelined_update=None,
+                             speculative_update=True, **kwargs)
+        assert "\n" not in str(raised.value)
+    mode = step_mode.decide(ds, delayed_update=False, delayed_update_after=0, pipelined_update=None,
+                            speculative_update=True, world_size=1, on_gpu=True)
+    assert mode.engine_options()["speculative"] is True
+
+
+@pytest.mark.numeric
+def test_a_run_with_the_flag_trains_as_the_pipelined_update_bit_for_bit():
+    """fitone.train end to end (the flag through TrainConfig, the step mode and the Engine), the run's clipping
+    at 1.0 left as it is (so steps whose speculation is undone occur too), 2 micro-batches a step."""
+    import fitone
+
+    common = dict(max_steps=6, lr=1e-3, lr_schedule="constant", warmup_steps=0, batch_size=8, grad_accum=2,
+                  pipelined_update=True)
+    plain = fitone.train(cpu_config(**common))
+    speculated = fitone.train(cpu_config(**common, speculative_update=True))
+    assert speculated.update == "pipelined" and speculated.losses == plain.losses
+
+
+def test_the_plan_counts_the_backup_on_the_host():
+    from fitone.plan import plan
+    from fitone.zero2.speculative import SPECULATIVE_BACKUP_BYTES
+
+    t5_3b = dict(model="t5-3b", from_scratch=True, src_len=128, tgt_len=128, precision="fp16", gpu_mem="24GiB",
+                 host_mem="256GiB")
+    without, with_it = plan(**t5_3b), plan(**t5_3b, speculative_update=True)
+    backup = next(c.bytes for c in with_it.host if c.name == "speculation backup")
+    assert backup == SPECULATIVE_BACKUP_BYTES and with_it.host_total == without.host_total + backup
+    assert "speculation backup" not in {c.name for c in without.host}
