@@ -16,6 +16,7 @@ machine sharing the folder is not seen.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import platform
@@ -58,9 +59,14 @@ def cpu_fingerprint(cpuinfo: str | None = None) -> str:
     return hashlib.sha1(" ".join(sorted(flags.split())).encode()).hexdigest()[:8]
 
 
+@functools.cache
+def _this_cpu() -> str:
+    return cpu_fingerprint()  # read once a process: the CPU does not change under it
+
+
 def build_name(name: str) -> str:
     """The name op `name` builds under: fitone's -march=native ops carry this CPU's fingerprint."""
-    return f"{name}_{cpu_fingerprint()}" if name in NATIVE_OPS else name
+    return f"{name}_{_this_cpu()}" if name in NATIVE_OPS else name
 
 
 def build_dirs(name: str) -> list[Path]:

@@ -81,9 +81,7 @@ def _gpu_components(st: _Setup, offload: bool, micro_batch: int) -> list[Compone
     bits = "fp32" if w == 4 else "16-bit"
     comps = [Component("weights", "weights", w * s.n_params, f"{bits}, {w} B/param")]  # bit16_groups_flat, line 505
     largest = s.largest_param
-    if offload and st.pipelined_update:
-        pass  # the lean layout's staging is the layers' backward's (_moment_components)
-    elif offload:
+    if offload and not st.pipelined_update:  # the lean layout's staging is the layers' moment's (_moment_components)
         upcast = 4 * largest if w < 4 else 0
         # temp_grad_buffer_for_gpu_offload (line 659), the autograd grad, the fp32 copy for the CPU (line 1898)
         comps.append(Component("offload staging", "buffers", 2 * w * largest + upcast,
@@ -130,19 +128,18 @@ def _moment_components(st: _Setup, offload: bool, micro_batch: int) -> list[Comp
                         f"{nbuf} x reduce_bucket_size {st.bucket:.2g} ({how})")
     layer_only = [buckets, _lean_staging(st)] if lean else [buckets]
     fixed = fused_loss_fixed_bytes(st.shape, precision=st.precision, fused_loss=st.fused_loss)
-    loss_only = [Component("fused loss", "activations", fixed,
-                           "one chunk of logits in the loss's backward (fitone.loss)")] if fixed else []
+    loss_extra = [Component("fused loss", "activations", fixed,
+                            "one chunk of logits in the loss's backward (fitone.loss)")] if fixed else []
     fused = st.fused_loss and not (st.shape.family == "t5" or st.shape.encoder_decoder)
-    if fused:  # the head's gradient is made in the loss's backward, and its hook makes the buckets
-        loss_only.append(buckets)
     if lean and fused and _over_bucket(st):
-        loss_only.append(Component("LM head gradient", "gradients", st.w * _over_bucket(st) + _norm_chunks(st),
-                                   "made in the loss's backward and, over reduce_bucket_size, reduced in place: "
-                                   "one chunk of its fp64 copy for the norm and one of its sum on the way to the host"))
+        loss_extra.append(Component("LM head gradient", "gradients", st.w * _over_bucket(st) + _norm_chunks(st),
+                                    "made in the loss's backward and, over reduce_bucket_size, reduced in place: one "
+                                    "chunk of its fp64 copy for the norm and one of its sum on the way to the host"))
     if "layers" not in moments:  # without checkpointing everything is kept until the backward frees it
         return [Component("activations", "activations", moments["loss"] * micro_batch,
-                          f"{micro_batch} x {moments['loss'] / 2**20:.1f} MiB"), *layer_only,
-                *[c for c in loss_only if c is not buckets]]
+                          f"{micro_batch} x {moments['loss'] / 2**20:.1f} MiB"), *layer_only, *loss_extra]
+    # the head's gradient, made in a fused loss's backward, has its hook make the buckets there
+    loss_only = [buckets, *loss_extra] if fused else loss_extra
     loss = moments["loss"] * micro_batch + sum(c.bytes for c in loss_only)
     layers = moments["layers"] * micro_batch + sum(c.bytes for c in layer_only)
     if layers >= loss:
