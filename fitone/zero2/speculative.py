@@ -111,8 +111,7 @@ class Speculation:
         states = [opt.optimizer.state.get(m, {}) for m in opt.single_partition_of_fp32_groups]
         if upd.applied < upd.after or any("step" not in s for s in states):
             return
-        # what _combined_scale gives when clipping does not fire
-        self._scale = None if opt.clip_grad == 0.0 and opt.loss_scale == 1.0 else float(opt.loss_scale)
+        self._scale = upd._combined_scale(None)  # what the update divides by when clipping does not fire
         self._hyper = upd.hyperparameters()
         self._steps = [s["step"] + 1 for s in states]
         self._kernel = upd._adam
