@@ -14,7 +14,7 @@ import dataclasses
 import difflib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from fitone.errors import ConfigError
 from fitone.units import parse_size
@@ -29,6 +29,16 @@ PREFER_BATCH = ("throughput", "largest")  # what --batch-size auto and probe-bat
 # or to the nearest (bf16-nearest), or to the nearest with a bf16 compensation buffer (bf16-kahan), in the
 # pipelined update (fitone.zero2.low_precision)
 OPTIMIZER_STATES = ("fp32", "bf16", "bf16-nearest", "bf16-kahan")
+
+def dividing(most: int, accumulation: Callable[[int], int]) -> Iterator[tuple[int, int]]:
+    """(b, accumulation(b)) for b from `most` down to 1, skipping each b whose accumulation is refused
+    (TrainConfig.accumulation: a global batch that b does not divide)."""
+    for b in range(most, 0, -1):
+        try:
+            yield b, accumulation(b)
+        except ConfigError:
+            continue
+
 
 def resolve_precision(precision: str, on_gpu: bool) -> str:
     """'auto' (the default) is fp16 with loss scaling on a GPU and fp32 on the CPU, where DeepSpeed refuses fp16."""

@@ -42,13 +42,28 @@ from _tools_child import PARTIAL, RECORD
 
 __all__ = ["resolve_out"]  # the results file's name, tested here
 
-TOOLS = ("fitone", "deepspeed", "hf-trainer", "torch-plain", "torch-plain-uncapped", "hf-trainer-auto-find",
-         "fitone-delayed", "fitone-pipelined", "fitone-deepspeed-step", "fitone-widen-2m", "fitone-widen-8m",
-         "fitone-speculative")
+# Each tool once: (name, runs under the --cap that stands for a smaller card, takes --grad-accum above 1,
+# one engine/model serves every size under --same-process). A fitone variant is a row here and a few lines in
+# _tools_measure.py.
+TOOL_TABLE = (
+    ("fitone", True, True, False),
+    ("deepspeed", True, True, True),
+    ("hf-trainer", True, False, False),
+    ("torch-plain", True, False, True),
+    ("torch-plain-uncapped", False, False, True),
+    ("hf-trainer-auto-find", True, False, False),
+    ("fitone-delayed", True, True, False),
+    ("fitone-pipelined", True, True, False),
+    ("fitone-deepspeed-step", True, True, False),
+    ("fitone-widen-2m", True, True, False),
+    ("fitone-widen-8m", True, True, False),
+    ("fitone-speculative", True, True, False),
+)
+TOOLS = tuple(name for name, *_ in TOOL_TABLE)
 DEFAULT_TOOLS = TOOLS[:5]
-REUSABLE = {"deepspeed", "torch-plain", "torch-plain-uncapped"}  # one engine/model serves every size (--same-process)
-CAPPED = {"fitone", "deepspeed", "hf-trainer", "torch-plain", "hf-trainer-auto-find", "fitone-delayed",
-          "fitone-pipelined", "fitone-deepspeed-step", "fitone-widen-2m", "fitone-widen-8m", "fitone-speculative"}
+CAPPED = {name for name, capped, _, _ in TOOL_TABLE if capped}
+ACCUMULATING = {name for name, _, accumulating, _ in TOOL_TABLE if accumulating}  # the others' loops have none
+REUSABLE = {name for name, _, _, reusable in TOOL_TABLE if reusable}
 QUICK = {"model": "t5-large", "batch_sizes": [16, 64], "tools": ["fitone", "deepspeed"]}
 
 # The fields every record has, in this order (measured ones are None where a run did not get that far).
@@ -56,9 +71,6 @@ QUICK = {"model": "t5-large", "batch_sizes": [16, 64], "tools": ["fitone", "deep
 FIELDS = ("tool", "model", "params", "precision", "src_len", "tgt_len", "seq_len", "cap_gib", "batch_size",
           "grad_accum", "step_s", "step_s_spread", "samples_per_s", "tokens_per_s", "peak_gpu_gib", "peak_host_gib",
           "init_s", "oom", "error", "gpu", "date", "command")
-# tools that take --grad-accum above 1 (the others' loops have no accumulation)
-ACCUMULATING = {"deepspeed", "fitone", "fitone-delayed", "fitone-pipelined", "fitone-deepspeed-step",
-                "fitone-widen-2m", "fitone-widen-8m", "fitone-speculative"}
 LENGTHS = {"src_len": 128, "tgt_len": 128, "seq_len": 512}  # fitone's TrainConfig defaults (a test checks)
 
 

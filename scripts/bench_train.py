@@ -7,7 +7,8 @@ $OUT/bench7b-<tag>.partial.json (removed at the end), which a run cut by a hard 
         data=synthetic max_steps=21 save_every=20 out=/tmp/run --overwrite
 
 Everything after `--` is fitone's command line, run in this process (fitone.cli.dispatch). `--loss chunked`
-before `--` keeps the fused loss off Liger-Kernel (to time the two fused paths against each other);
+before `--` keeps the fused loss off Liger-Kernel (to time the two fused paths against each other), `--loss
+any-vocab` takes the fused loss whatever the vocabulary (to time it against the model's own on a small one);
 `--no-export` skips writing final/ (speed comparisons).
 The record carries model, tool, cap_gib, micro_batch, seq_len, grad_accum, tokens_per_s, peak_gpu_gib,
 peak_host_gib and params, so that a run can be checked against a bar.
@@ -28,14 +29,22 @@ import torch
 from _harness import GIB  # and the checkout first on the path
 
 
+def choose_loss(how: str) -> None:
+    """`--loss`: which fused loss the run takes where fitone's own rule would pick another."""
+    from fitone import loss as fitone_loss
+
+    assert how in ("chunked", "any-vocab"), how
+    if how == "chunked":
+        fitone_loss.liger_available = lambda: False
+    else:  # the fused loss whatever the vocabulary (a GPU keeps the model's own below FUSED_MIN_VOCAB_GPU)
+        fitone_loss.FUSED_MIN_VOCAB_GPU = 0
+
+
 def main(argv: list[str]) -> int:
     tag, fitone_args = argv[0], argv[argv.index("--") + 1:]
     skip_export = "--no-export" in argv[:argv.index("--")]
     if "--loss" in argv[:argv.index("--")]:
-        from fitone import loss as fitone_loss
-
-        assert argv[argv.index("--loss") + 1] == "chunked"
-        fitone_loss.liger_available = lambda: False
+        choose_loss(argv[argv.index("--loss") + 1])
     import importlib
 
     from fitone.zero2.timing import timed_engines

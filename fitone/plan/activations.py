@@ -99,7 +99,7 @@ def activation_moments(s: ModelShape, *, precision: str, checkpointing: bool, le
     """
     a = 4 if precision == "fp32" else 2
     fp16 = precision == "fp16"
-    if s.family == "t5" or s.encoder_decoder:
+    if s.seq2seq:
         if s.family == "t5":
             enc, dec, head_e, head_d = _t5_layers(s, a, fp16, lengths)
         else:  # generic encoder-decoder: decoder-style layers plus a cross-attention on the decoder side
@@ -117,7 +117,7 @@ def activation_moments(s: ModelShape, *, precision: str, checkpointing: bool, le
         loss_dtype, loss_grad_copies, tgt, l_dec = 4, 2, lengths.tgt, s.layers
     lsm = loss_dtype * s.vocab * tgt  # log-softmax output kept for the loss backward
     loss_grads = loss_grad_copies * loss_dtype * s.vocab * tgt
-    if fused_loss and not (s.family == "t5" or s.encoder_decoder):
+    if s.fused(fused_loss):
         lsm = a * s.hidden * tgt  # the labelled hidden states, gathered
         loss_grads = a * s.hidden * tgt + (8 * s.hidden * tgt if fused_loss == "liger" else 0)
     transient = BACKWARD_TRANSIENT_FF * a * s.ff
@@ -140,6 +140,6 @@ def fused_loss_fixed_bytes(s: ModelShape, *, precision: str, fused_loss: str | N
     its head gradient, made in the forward and handed on in the loss's backward, is the LM head's gradient
     the plan counts at that moment anyway (measured: bench/results/2026-12-01-issue27/llama-3.1-8b/). Only
     the loss's moment holds it: the layers' backward comes after."""
-    if not fused_loss or fused_loss == "liger" or s.family == "t5" or s.encoder_decoder:
+    if s.fused(fused_loss) in (None, "liger"):
         return 0
     return 12 * CHUNK_ELEMENTS

@@ -130,7 +130,7 @@ def _moment_components(st: _Setup, offload: bool, micro_batch: int) -> list[Comp
     fixed = fused_loss_fixed_bytes(st.shape, precision=st.precision, fused_loss=st.fused_loss)
     loss_extra = [Component("fused loss", "activations", fixed,
                             "one chunk of logits in the loss's backward (fitone.loss)")] if fixed else []
-    fused = st.fused_loss and not (st.shape.family == "t5" or st.shape.encoder_decoder)
+    fused = st.shape.fused(st.fused_loss) is not None
     if lean and fused and _over_bucket(st):
         loss_extra.append(Component("LM head gradient", "gradients", st.w * _over_bucket(st) + _norm_chunks(st),
                                     "made in the loss's backward and, over reduce_bucket_size, reduced in place: one "

@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 from fitone import memory
-from fitone.config import TrainConfig
+from fitone.config import TrainConfig, dividing
 from fitone.errors import ConfigError, MemoryBudgetError
 from fitone.loss import backend_for
 from fitone.run import Run, resolve_planned
@@ -121,13 +121,9 @@ def _preflight_plan(run: Run, micro_batch: int, accumulation: int) -> Plan:
 
 def _largest_dividing(cfg: TrainConfig, most: int, world: int) -> tuple[int, int]:
     """The largest micro-batch <= `most` whose accumulation --global-batch divides exactly, and that accumulation
-    (TrainConfig.accumulation, the one owner of it); a global batch no micro-batch divides gets micro-batch 1."""
-    for b in range(most, 1, -1):
-        try:
-            return b, cfg.accumulation(b, world)
-        except ConfigError:
-            continue
-    return 1, max(1, cfg.global_batch // world)
+    (TrainConfig.accumulation, the one owner of it); a global batch no micro-batch above 1 divides gets 1."""
+    above_one = (pair for pair in dividing(most, lambda b: cfg.accumulation(b, world)) if pair[0] > 1)
+    return next(above_one, (1, max(1, cfg.global_batch // world)))
 
 
 def _host_need(p: Plan, on_gpu: bool) -> int:

@@ -36,6 +36,15 @@ class ModelShape:
     pack_refusal: str | None = None  # why --pack cannot train this causal LM exactly (fitone.packing); None: it can
     tied_embeddings: bool = False  # the LM head is the input embedding: its gradient sums over the whole backward
 
+    @property
+    def seq2seq(self) -> bool:
+        """An encoder-decoder (T5 and the rest): no fused loss applies, its loss runs in the model's dtype."""
+        return self.family == "t5" or self.encoder_decoder
+
+    def fused(self, fused_loss: str | None) -> str | None:
+        """The fused loss a run with this shape trains with: `fused_loss` on a causal LM, else None."""
+        return None if self.seq2seq else fused_loss
+
 
 def _first(config: Any, names: tuple[str, ...], default: Any = None) -> Any:
     for name in names:

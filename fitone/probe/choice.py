@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from fitone.config import PREFER_BATCH
+from fitone.config import PREFER_BATCH, dividing
 from fitone.errors import ConfigError, MemoryBudgetError
 from fitone.probe.results import ProbeResult, TrialResult
 
@@ -74,14 +74,11 @@ def choose_batch(result: ProbeResult, *, prefer: str, accumulation: Callable[[in
 
 def _dividing(chosen: int, accumulation: Callable[[int], int]) -> list[tuple[int, int]]:
     """(b, a) for every b <= chosen with an exact accumulation, largest b first."""
-    pairs, refusal = [], None
-    for b in range(chosen, 0, -1):
-        try:
-            pairs.append((b, accumulation(b)))
-        except ConfigError as exc:
-            refusal = refusal or exc
+    pairs = list(dividing(chosen, accumulation))
     if not pairs:
-        raise refusal or ConfigError("no micro-batch to choose")
+        if chosen > 0:
+            accumulation(chosen)  # raises its ConfigError, which names the fix
+        raise ConfigError("no micro-batch to choose")
     return pairs
 
 
