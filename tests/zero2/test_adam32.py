@@ -109,3 +109,49 @@ def test_a_failed_build_falls_back_and_says_so_once(monkeypatch, capsys):
     assert len(said) == 1 and "could not build" in said[0] and "widens the gradients instead" in said[0]
     monkeypatch.setattr(adam32, "ENABLED", False)
     assert not adam32.available()
+
+
+# -- in the pipelined update (fitone.zero2.overlap): the same training as the widening path it replaces ----------
+@pytest.mark.numeric
+@pytest.mark.parametrize("precision, grad_accum, clip", [("bf16", 1, 1e6), ("bf16", 3, 1.0), ("fp32", 1, 1.0),
+                                                         ("fp32", 3, 1e6)])
+def test_the_pipelined_update_reading_16_bits_trains_as_the_widening_one_bit_for_bit(monkeypatch, precision,
+                                                                                     grad_accum, clip):
+    """Per micro-batch losses and the final fp32 master and moments, op on and forced off; clip 1.0 clips (a scale
+    that is not 1), 1e6 does not. fp32 training has fp32 gradients: nothing to read in 16 bits, nothing changes."""
+    from test_speculative import identical, make_engine, train
+
+    calls, op = [], adam32.adamw
+    monkeypatch.setattr(adam32, "adamw", lambda *args, **kwargs: calls.append(op(*args, **kwargs)))
+    runs = []
+    for enabled in (True, False):
+        monkeypatch.setattr(adam32, "ENABLED", enabled)
+        engine = make_engine(precision, speculative=False, grad_accum=grad_accum, clip=clip)
+        try:
+            assert engine.overlap.reads_16bit == (enabled and precision == "bf16")
+            chunks = sum(map(len, engine.overlap.chunks))
+            runs.append(train(engine, 5, grad_accum))
+        finally:
+            engine.close()
+        if enabled:  # one call a chunk of each pipelined step (steps 2-5), in bf16 only
+            assert len(calls) == (4 * chunks if precision == "bf16" else 0)
+    assert identical(*runs)
+
+
+@pytest.mark.numeric
+def test_the_speculative_update_reading_16_bits_trains_as_the_widening_pipelined_one(monkeypatch):
+    """The speculation runs the update's own kernel, so it reads 16 bits too, and is kept: still bit for bit."""
+    from test_speculative import identical, make_engine, train
+
+    runs = []
+    for enabled, speculative in ((True, True), (False, False)):
+        monkeypatch.setattr(adam32, "ENABLED", enabled)
+        engine = make_engine("bf16", speculative=speculative)
+        try:
+            runs.append(train(engine, 5))
+            if speculative:
+                totals = engine.overlap.speculation.totals
+                assert totals["speculated_chunks"] > 0 and totals["rolled_back_chunks"] == 0
+        finally:
+            engine.close()
+    assert identical(*runs)
