@@ -182,12 +182,12 @@ class PipelinedUpdate(OverlappedStep):
     declared, which is close to the order the forward uses them), runs while step N+1's forward runs.
     Each chunk's fp32 master weights go up as they are and are cast to 16 bits on the GPU.
 
-    On the lean host layout (`host`, fitone.zero2.layout.LeanHost; the engine's case) Adam reads each chunk's
-    16-bit gradient as it is (fitone.zero2.adam32: PyTorch's fused AdamW's bits, without widening; where its op
-    cannot be built, widened a slice at a time into the layout's scratch), and the first `after` steps, which are
-    DeepSpeed's arithmetic, run the same chunks through DeepSpeed's unscale/clip and DeepSpeedCPUAdam's C++
-    step, applied before `step` returns: DeepSpeed's own step would need a whole fp32 gradient. Without
-    `host`, on DeepSpeed's own layout, its fp32 gradients are read and its own step runs first.
+    On the lean host layout (`host`, fitone.zero2.layout.LeanHost; the engine's case) Adam reads each chunk's 16-bit
+    gradient as it is (fitone.zero2.adam32, PyTorch's fused AdamW's bits; widened a slice at a time where its op
+    cannot be built), and the first `after` steps, which are DeepSpeed's arithmetic, run the same chunks through
+    DeepSpeed's unscale/clip and DeepSpeedCPUAdam's C++ step, widened a slice at a time, applied before `step`
+    returns: DeepSpeed's own step would need a whole fp32 gradient. Without `host`, on DeepSpeed's own layout,
+    its fp32 gradients are read and its own step runs first.
 
     `states` 'bf16', 'bf16-nearest' or 'bf16-kahan' (on `host` only; DeepSpeed built with
     bf16_master_weights_and_grads and bf16_optimizer_states): every step, the first ones too, is
@@ -332,9 +332,6 @@ class PipelinedUpdate(OverlappedStep):
         self._kept, self._speculated = kept, speculated
         self.pending = self._pool.submit(self._cpu_update, kernel, grads, scale, hyper, steps, done)
 
-    def _gradient(self, grads: list[torch.Tensor] | None, i: int, lo: int, hi: int) -> torch.Tensor:
-        return self.host.fp32_gradient(i, lo, hi) if grads is None else grads[i][lo:hi]
-
     def _deepspeeds_adam(self, i: int, grad: torch.Tensor, norm: torch.Tensor | None, hyper: dict[str, Any],
                          step: int, lo: int, hi: int) -> None:
         """DeepSpeed's step on elements [lo, hi) of group i: its unscale_and_clip_grads on their fp32 gradient
@@ -412,11 +409,10 @@ class PipelinedUpdate(OverlappedStep):
         16-bit step; the fp32 Adam where `reads_16bit`), else a widened slice at a time (fp32 gradients: at once)."""
         if grads is None and (self.rounding is not None or (self.reads_16bit and kernel == self._adam)):
             return kernel(i, self.host.gradients[i][lo:hi], scale, hyper, step, lo, hi)
-        widen = self.host.widen_elements if grads is None and self.host.widens else None
-        piece = widen or hi - lo
+        piece = (self.host.widen_elements if grads is None and self.host.widens else None) or hi - lo
         for a in range(lo, hi, piece):
             b = min(a + piece, hi)
-            kernel(i, self._gradient(grads, i, a, b), scale, hyper, step, a, b)
+            kernel(i, self.host.fp32_gradient(i, a, b) if grads is None else grads[i][a:b], scale, hyper, step, a, b)
 
     def sync(self) -> None:
         if self.speculation is not None:  # a speculation no step resolved (read or saved now) is undone
