@@ -27,7 +27,6 @@ Two implementations of one arithmetic:
 from __future__ import annotations
 
 import math
-import threading
 from pathlib import Path
 from typing import Any
 
@@ -213,26 +212,13 @@ def adamw_16bit(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.T
 # -- the fused step -------------------------------------------------------------------------------------------
 FUSED_OP = "fitone_adam16"  # built once per CPU into TORCH_EXTENSIONS_DIR/fitone_adam16_<CPU> (extensions.build_name)
 _SOURCE = Path(__file__).parent / "csrc" / "adam16.cpp"
-# no FMA contraction: each operation rounds once, as the reference's, whatever SIMD level the compiler targets
-# (-fno-math-errno lets sqrt vectorize; it changes no result)
-_CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fno-math-errno", "-fopenmp"]
 _NO_TABLE = torch.empty(0, dtype=torch.int16)
 _NO_COMPENSATION = torch.empty(0, dtype=torch.bfloat16)
-_loaded: Any = None
-_loading = threading.Lock()
 
 
 def fused_op() -> Any:
     """The fused step's C++ module, built on the first call of this machine (one line says so) and cached."""
-    global _loaded
-    with _loading:
-        if _loaded is None:
-            from torch.utils.cpp_extension import load
-
-            extensions.prepare_build(FUSED_OP)
-            _loaded = load(name=extensions.build_name(FUSED_OP), sources=[str(_SOURCE)], extra_cflags=_CFLAGS,
-                           extra_ldflags=["-fopenmp"], verbose=False)
-    return _loaded
+    return extensions.load_native(FUSED_OP, _SOURCE)
 
 
 def fused_adamw_16bit(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from fitone.zero2 import low_precision
+from fitone.zero2 import adam32, low_precision
 from fitone.zero2 import speculative as speculative_update
 from fitone.zero2.layout import CHUNK_ELEMENTS, module_needs, world_size
 
@@ -128,18 +128,14 @@ class OverlappedStep:
     def _adam(self, i: int, grad: torch.Tensor, scale: float | None, hyper: dict[str, Any], step: int,
               lo: int = 0, hi: int | None = None) -> None:
         """AdamW on elements [lo, hi) of group i's fp32 master and DeepSpeedCPUAdam's states for it, from
-        `grad` (those elements' fp32 gradient), with the unscale/clip folded in (one pass over the gradients
-        instead of DeepSpeed's two)."""
-        opt, adam = self.opt, self.opt.optimizer
-        master = opt.single_partition_of_fp32_groups[i]
-        state = adam.state[master]
-        fused = torch._fused_adamw_ if getattr(adam, "adam_w_mode", True) else torch._fused_adam_
-        beta1, beta2 = hyper["betas"]
-        sl = slice(lo, hi)
-        fused([master.data[sl]], [grad], [state["exp_avg"][sl]], [state["exp_avg_sq"][sl]], [],
-              [torch.tensor(float(step))], lr=hyper["lr"], beta1=beta1, beta2=beta2,
-              weight_decay=hyper["weight_decay"], eps=hyper["eps"], amsgrad=False, maximize=False,
-              grad_scale=torch.tensor(scale) if scale is not None else None, found_inf=None)
+        `grad` (those elements' gradient: fp32 by PyTorch's fused kernel, 16-bit by fitone.zero2.adam32's, the same
+        bits), with the unscale/clip folded in (one pass over the gradients instead of DeepSpeed's two)."""
+        adam = self.opt.optimizer
+        master = self.opt.single_partition_of_fp32_groups[i]
+        state, sl = adam.state[master], slice(lo, hi)
+        adam32.step(master.data[sl], state["exp_avg"][sl], state["exp_avg_sq"][sl], grad, step=step, lr=hyper["lr"],
+                    betas=hyper["betas"], eps=hyper["eps"], weight_decay=hyper["weight_decay"], grad_scale=scale,
+                    adam_w_mode=getattr(adam, "adam_w_mode", True))
 
     def _next_step(self, i: int) -> int:
         """Count this step in DeepSpeedCPUAdam's state for group i (creating its states as it would)."""
@@ -186,11 +182,12 @@ class PipelinedUpdate(OverlappedStep):
     declared, which is close to the order the forward uses them), runs while step N+1's forward runs.
     Each chunk's fp32 master weights go up as they are and are cast to 16 bits on the GPU.
 
-    On the lean host layout (`host`, fitone.zero2.layout.LeanHost; the engine's case) each chunk's gradient
-    is widened from the layout's 16-bit buffer as Adam reaches it, and the first `after` steps, which are
-    DeepSpeed's arithmetic, run the same chunks through DeepSpeed's unscale/clip and DeepSpeedCPUAdam's C++
-    step, applied before `step` returns: DeepSpeed's own step would need a whole fp32 gradient. Without
-    `host`, on DeepSpeed's own layout, its fp32 gradients are read and its own step runs first.
+    On the lean host layout (`host`, fitone.zero2.layout.LeanHost; the engine's case) Adam reads each chunk's 16-bit
+    gradient as it is (fitone.zero2.adam32, PyTorch's fused AdamW's bits; widened a slice at a time where its op
+    cannot be built), and the first `after` steps, which are DeepSpeed's arithmetic, run the same chunks through
+    DeepSpeed's unscale/clip and DeepSpeedCPUAdam's C++ step, widened a slice at a time, applied before `step`
+    returns: DeepSpeed's own step would need a whole fp32 gradient. Without `host`, on DeepSpeed's own layout,
+    its fp32 gradients are read and its own step runs first.
 
     `states` 'bf16', 'bf16-nearest' or 'bf16-kahan' (on `host` only; DeepSpeed built with
     bf16_master_weights_and_grads and bf16_optimizer_states): every step, the first ones too, is
@@ -237,6 +234,8 @@ class PipelinedUpdate(OverlappedStep):
             self.close()
             raise ValueError("the speculative update runs on the lean layout with fp32 optimizer states only")
         self.host = host
+        # the fp32 Adam reads the 16-bit gradients as they are (fitone.zero2.adam32), unless its op cannot be built
+        self.reads_16bit = host is not None and host.widens and self.rounding is None and adam32.available()
         for master in optimizer.single_partition_of_fp32_groups if self.compensated else []:
             optimizer.optimizer.state[master]["compensation"] = torch.zeros_like(master.data)
         self.chunks = self._plan_chunks(chunk_elements)  # per group: chunk ends (exclusive), ascending
@@ -333,11 +332,6 @@ class PipelinedUpdate(OverlappedStep):
         self._kept, self._speculated = kept, speculated
         self.pending = self._pool.submit(self._cpu_update, kernel, grads, scale, hyper, steps, done)
 
-    def _gradient(self, grads: list[torch.Tensor] | None, i: int, lo: int, hi: int) -> torch.Tensor:
-        if self.rounding is not None:  # the fused 16-bit step reads the 16-bit gradient as it is
-            return self.host.gradients[i][lo:hi]
-        return self.host.fp32_gradient(i, lo, hi) if grads is None else grads[i][lo:hi]
-
     def _deepspeeds_adam(self, i: int, grad: torch.Tensor, norm: torch.Tensor | None, hyper: dict[str, Any],
                          step: int, lo: int, hi: int) -> None:
         """DeepSpeed's step on elements [lo, hi) of group i: its unscale_and_clip_grads on their fp32 gradient
@@ -411,12 +405,14 @@ class PipelinedUpdate(OverlappedStep):
 
     def _adam_chunk(self, kernel: Any, grads: list[torch.Tensor] | None, scale: Any, hyper: dict[str, Any],
                     step: int, i: int, lo: int, hi: int) -> None:
-        """`kernel` on elements [lo, hi) of group i, a widened slice at a time (fp32 gradients: at once)."""
-        widen = self.host.widen_elements if grads is None and self.host.widens else None
-        piece = widen or hi - lo
+        """`kernel` on elements [lo, hi) of group i: from the 16-bit gradient as it is where the kernel reads it (the
+        16-bit step; the fp32 Adam where `reads_16bit`), else a widened slice at a time (fp32 gradients: at once)."""
+        if grads is None and (self.rounding is not None or (self.reads_16bit and kernel == self._adam)):
+            return kernel(i, self.host.gradients[i][lo:hi], scale, hyper, step, lo, hi)
+        piece = (self.host.widen_elements if grads is None and self.host.widens else None) or hi - lo
         for a in range(lo, hi, piece):
             b = min(a + piece, hi)
-            kernel(i, self._gradient(grads, i, a, b), scale, hyper, step, a, b)
+            kernel(i, self.host.fp32_gradient(i, a, b) if grads is None else grads[i][a:b], scale, hyper, step, a, b)
 
     def sync(self) -> None:
         if self.speculation is not None:  # a speculation no step resolved (read or saved now) is undone

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import fixed_batch, tiny_engine, weights
-from fitone.zero2 import layout, overlap
+from fitone.zero2 import adam32, layout, overlap
 
 pytestmark = pytest.mark.numeric  # engines compared to the bit: also run under another SIMD level (.ci/run)
 
@@ -159,15 +159,17 @@ def train_and_keep(engine, steps: int, grad_accum: int) -> tuple[list[float], di
     return losses, weights(engine), masters, moments
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp32"])
-def test_the_lean_layout_trains_bit_for_bit_as_deepspeeds_layout(monkeypatch, precision):
+@pytest.mark.parametrize("precision, reads_16bit", [("bf16", True), ("bf16", False), ("fp32", True)])
+def test_the_lean_layout_trains_bit_for_bit_as_deepspeeds_layout(monkeypatch, precision, reads_16bit):
     """Five steps of three micro-batches under the pipelined update, the first step DeepSpeed's arithmetic:
     every loss, the module's weights, the fp32 masters and Adam's moments equal, to the last bit, those of the
     same update on DeepSpeed's own layout (fp32 gradient buffers, its own first step), which is what the lean
     layout computed before its gradients went to 16 bits. Many groups and small chunks, so that the first
     step's chunked DeepSpeedCPUAdam, the widening in slices of a quarter chunk (Adam on each slice) and the
-    chunked sums all run; clipped (norm > 1)."""
+    chunked sums all run; clipped (norm > 1). `reads_16bit` False: the later steps widen too (fitone.zero2.adam32's
+    op forced off), else they read the 16-bit gradients as they are."""
     monkeypatch.setattr(layout, "GROUP_ELEMENTS", SMALL_GROUPS)
+    monkeypatch.setattr(adam32, "ENABLED", reads_16bit)
     plain = deepspeeds_layout_pipelined(precision, grad_accum=3, chunk=SMALL_CHUNKS)
     try:
         want = train_and_keep(plain, 5, grad_accum=3)
@@ -182,9 +184,11 @@ def test_the_lean_layout_trains_bit_for_bit_as_deepspeeds_layout(monkeypatch, pr
         monkeypatch.setattr(lean.host, "fp32_gradient", lambda i, lo, hi: widened.append(hi - lo) or widen(i, lo, hi))
         got = train_and_keep(lean, 5, grad_accum=3)
         assert lean.overlap.applied == 5
-        if precision == "bf16":  # Adam read the gradients a slice at a time, never a chunk at once
+        if precision == "bf16":  # widened a slice at a time, never a chunk at once: the first step, or every one
             assert lean.host.widens and lean.host.widen_elements == SMALL_CHUNKS // 4
-            assert max(widened) == SMALL_CHUNKS // 4 and len(widened) > 5 * sum(map(len, lean.overlap.chunks))
+            chunks = sum(map(len, lean.overlap.chunks))
+            assert lean.overlap.reads_16bit == reads_16bit and max(widened) == SMALL_CHUNKS // 4
+            assert chunks < len(widened) <= 4 * chunks if reads_16bit else len(widened) > 5 * chunks
         else:
             assert not lean.host.widens  # fp32 gradients are Adam's as they are
     finally:

@@ -1,0 +1,163 @@
+// fitone's exact fp32 AdamW read straight from the gradient as it is (bf16, fp16 or fp32): what PyTorch's fused CPU
+// Adam (`torch._fused_adamw_` / `_fused_adam_`, aten/src/ATen/native/cpu/FusedAdamKernel.cpp) computes on that
+// gradient widened to fp32, bit for bit, without the widened copy and without writing the unscaled gradient back.
+//
+// PyTorch's bits depend on its dispatch capability (torch.backends.cpu.get_cpu_capability()), because its compiler
+// contracted some multiply-adds into FMAs in its AVX2 and AVX512 builds and none in its DEFAULT build, and not the
+// same ones in its vector loop and its scalar tail (the last numel % lanes elements of a call). So the arithmetic
+// is chosen at call time (`Arith`), per region, by fitone/zero2/adam32.py; this file is built with
+// -ffp-contract=off, so that every FMA here is an explicit std::fma and every other operation rounds once.
+// tests/zero2/test_adam32.py holds each capability's choice to PyTorch's kernel.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t BLOCK = 4096;  // elements per parallel task's inner loop
+
+inline float widen(uint16_t h)  // bf16: the top half of an fp32 pattern
+{
+    uint32_t u = uint32_t(h) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+inline float widen(_Float16 h) { return static_cast<float>(h); }  // exact, as every fp16 number is an fp32 one
+inline float widen(float f) { return f; }
+
+// PLAIN: no FMA (DEFAULT). VECTOR: PyTorch's vector loop on AVX2/AVX512, exp_avg_sq = fma(c2 * g, g, v * beta2).
+// SCALAR: its scalar tail there, exp_avg_sq = fma(v, beta2, c2 * g * g). Both fused ones: the lerp and Adam's
+// (not W's) weight decay as one FMA each.
+enum Arith { PLAIN, VECTOR, SCALAR };
+enum Decay { NO_DECAY, ADAMW_DECAY, ADAM_DECAY };
+
+struct Hyper {
+    float scale, decay, wd;   // g / scale; AdamW: p * decay; Adam: g + p * wd
+    float coeff;              // the lerp's: 1 - beta1, or (1 - beta1) - 1 where that is at least 0.5
+    bool small;               // |1 - beta1| < 0.5: the lerp's base is exp_avg, else the gradient
+    float beta2, c2, bc2_sqrt, eps, neg_step_size;
+};
+
+inline float fmadd(bool fused, float a, float b, float c) { return fused ? std::fma(a, b, c) : a * b + c; }
+
+template <typename grad_t, bool SCALE, Decay DECAY, Arith A>
+void block(float* __restrict__ P, float* __restrict__ M, float* __restrict__ V, const grad_t* __restrict__ G,
+           int64_t lo, int64_t hi, const Hyper& h)
+{
+    constexpr bool FUSED = A != PLAIN;
+    const float scale = h.scale, decay = h.decay, wd = h.wd, coeff = h.coeff, beta2 = h.beta2, c2 = h.c2;
+    const float bc2 = h.bc2_sqrt, eps = h.eps, nss = h.neg_step_size;
+    const bool small = h.small;
+    for (int64_t k = lo; k < hi; ++k) {
+        float g = widen(G[k]);
+        if (SCALE) g = g / scale;
+        float p = P[k];
+        if (DECAY == ADAMW_DECAY) p = p * decay;
+        if (DECAY == ADAM_DECAY) g = fmadd(FUSED, p, wd, g);
+        const float m0 = M[k];
+        const float m = fmadd(FUSED, coeff, g - m0, small ? m0 : g);  // exp_avg.lerp_(grad, 1 - beta1)
+        const float cg = c2 * g;
+        float v;
+        if (A == VECTOR) v = std::fma(cg, g, V[k] * beta2);
+        else if (A == SCALAR) v = std::fma(V[k], beta2, cg * g);
+        else v = V[k] * beta2 + cg * g;
+        const float denom = std::sqrt(v) / bc2 + eps;
+        P[k] = p + nss * m / denom;
+        M[k] = m;
+        V[k] = v;
+    }
+}
+
+template <typename grad_t, bool SCALE, Decay DECAY>
+void regions(float* P, float* M, float* V, const grad_t* G, int64_t n, const Hyper& h, Arith body, int64_t lanes,
+             int64_t tail_vector)
+{
+    // PyTorch's vector loop covers whole vectors of the call's elements; its scalar tail the rest, of which its
+    // compiler vectorized whole runs of `tail_vector` (AVX512: one 8-lane epilogue) with the vector loop's arithmetic
+    const int64_t body_end = n - n % lanes;
+    const int64_t vector_end = tail_vector > 0 ? body_end + (n - body_end) / tail_vector * tail_vector : body_end;
+    at::parallel_for(0, (body_end + BLOCK - 1) / BLOCK, 16, [&](int64_t first, int64_t last) {
+        for (int64_t b = first; b < last; ++b) {
+            const int64_t lo = b * BLOCK, hi = std::min(body_end, lo + BLOCK);
+            if (body == PLAIN) block<grad_t, SCALE, DECAY, PLAIN>(P, M, V, G, lo, hi, h);
+            else block<grad_t, SCALE, DECAY, VECTOR>(P, M, V, G, lo, hi, h);
+        }
+    });
+    if (body == PLAIN) return block<grad_t, SCALE, DECAY, PLAIN>(P, M, V, G, body_end, n, h);
+    block<grad_t, SCALE, DECAY, VECTOR>(P, M, V, G, body_end, vector_end, h);
+    block<grad_t, SCALE, DECAY, SCALAR>(P, M, V, G, vector_end, n, h);
+}
+
+template <typename grad_t>
+void dispatch(float* P, float* M, float* V, const grad_t* G, int64_t n, const Hyper& h, bool scale, Decay decay,
+              Arith body, int64_t lanes, int64_t tail_vector)
+{
+    if (scale) {
+        if (decay == ADAMW_DECAY) return regions<grad_t, true, ADAMW_DECAY>(P, M, V, G, n, h, body, lanes, tail_vector);
+        if (decay == ADAM_DECAY) return regions<grad_t, true, ADAM_DECAY>(P, M, V, G, n, h, body, lanes, tail_vector);
+        return regions<grad_t, true, NO_DECAY>(P, M, V, G, n, h, body, lanes, tail_vector);
+    }
+    if (decay == ADAMW_DECAY) return regions<grad_t, false, ADAMW_DECAY>(P, M, V, G, n, h, body, lanes, tail_vector);
+    if (decay == ADAM_DECAY) return regions<grad_t, false, ADAM_DECAY>(P, M, V, G, n, h, body, lanes, tail_vector);
+    regions<grad_t, false, NO_DECAY>(P, M, V, G, n, h, body, lanes, tail_vector);
+}
+
+// lr, betas, eps, weight_decay, step and scale as PyTorch's kernel takes them (doubles; its step a float, its
+// grad_scale an fp32 tensor), turned into fp32 constants by its expressions
+void adamw(torch::Tensor master, torch::Tensor exp_avg, torch::Tensor exp_avg_sq, torch::Tensor grad, double lr,
+           double beta1, double beta2, double weight_decay, double eps, double step, bool adam_w_mode, double scale,
+           bool has_scale, bool fused, int64_t lanes, int64_t tail_vector)
+{
+    const int64_t n = master.numel();
+    for (const auto* t : {&master, &exp_avg, &exp_avg_sq}) {
+        TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous() && t->device().is_cpu(),
+                    "the exact fp32 AdamW holds contiguous fp32 CPU master weights and moments");
+        TORCH_CHECK(t->numel() == n, "master, moments and gradient differ in length");
+    }
+    TORCH_CHECK(grad.numel() == n && grad.is_contiguous() && grad.device().is_cpu(),
+                "the gradient must be a contiguous CPU tensor of the master's length");
+    TORCH_CHECK(lanes > 0, "lanes must be positive");
+    const double s = double(float(step));  // PyTorch reads its step tensor as a float
+    const double bias_correction1 = 1 - std::pow(beta1, s);
+    const double bias_correction2 = 1 - std::pow(beta2, s);
+    const float w = float(1 - beta1);
+    const bool small = std::abs(w) < 0.5f;
+    Hyper h{float(scale), float(1 - lr * weight_decay), float(weight_decay), small ? w : w - 1.0f, small,
+            float(beta2), float(1 - beta2), float(std::sqrt(bias_correction2)), float(eps),
+            -float(lr / bias_correction1)};
+    const Decay how = weight_decay == 0 ? NO_DECAY : adam_w_mode ? ADAMW_DECAY : ADAM_DECAY;
+    const Arith body = fused ? VECTOR : PLAIN;
+    auto* P = master.data_ptr<float>();
+    auto* M = exp_avg.data_ptr<float>();
+    auto* V = exp_avg_sq.data_ptr<float>();
+    switch (grad.scalar_type()) {
+        case torch::kBFloat16:
+            dispatch(P, M, V, reinterpret_cast<const uint16_t*>(grad.data_ptr()), n, h, has_scale, how, body, lanes,
+                     tail_vector);
+            break;
+        case torch::kHalf:
+            dispatch(P, M, V, reinterpret_cast<const _Float16*>(grad.data_ptr()), n, h, has_scale, how, body, lanes,
+                     tail_vector);
+            break;
+        case torch::kFloat:
+            dispatch(P, M, V, grad.data_ptr<float>(), n, h, has_scale, how, body, lanes, tail_vector);
+            break;
+        default: TORCH_CHECK(false, "the gradient must be bf16, fp16 or fp32, not ", grad.scalar_type());
+    }
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
+{
+    // the GIL is released: the pipelined update runs this in its thread beside the main thread's launches
+    m.def("adamw", &adamw, "PyTorch's fused CPU AdamW, bit for bit, from a 16-bit or fp32 gradient read as it is",
+          py::call_guard<py::gil_scoped_release>());
+}

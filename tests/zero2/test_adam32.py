@@ -1,0 +1,157 @@
+"""The exact fp32 AdamW from 16-bit gradients (fitone.zero2.adam32, csrc/adam32.cpp) against PyTorch's fused CPU
+AdamW on the widened gradient: bit for bit, under this process's CPU capability and, in children, under DEFAULT
+and AVX2 (ATEN_CPU_CAPABILITY)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fitone.zero2 import adam32
+
+# sizes: under one vector, around the vector and cache-line units, tails of every length, and a multi-block one
+SIZES = [1, 7, 8, 9, 15, 16, 17, 23, 31, 64 * 5 + 13, 4096 * 3 + 8 + 5, 200_003]
+# (lr, betas, eps, weight_decay, step, grad_scale, adam_w_mode)
+CASES = [
+    dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, step=1),
+    dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.0, step=7, grad_scale=1024.0),
+    dict(lr=1e-2, betas=(0.3, 0.999), eps=1e-8, weight_decay=0.1, step=123, grad_scale=3.0),  # the lerp's other form
+    dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1, step=2, adam_w_mode=False),  # Adam's decay
+    dict(lr=1e-3, betas=(0.8, 0.99), eps=1e-8, weight_decay=0.0, step=40, grad_scale=65536.0, adam_w_mode=False),
+]
+
+
+def _states(n: int, seed: int, grad_dtype: torch.dtype, scale: float | None) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    master = torch.randn(n, generator=g)
+    exp_avg = torch.randn(n, generator=g) * 1e-2
+    exp_avg_sq = torch.rand(n, generator=g) * 1e-4
+    grad = (torch.randn(n, generator=g) * 1e-2 * (scale or 1.0)).to(grad_dtype)
+    return master, exp_avg, exp_avg_sq, grad
+
+
+def _mismatches(n: int, seed: int, grad_dtype: torch.dtype, case: dict) -> list[int]:
+    """Elements of master, exp_avg, exp_avg_sq where the op and PyTorch's kernel on grad.float() differ."""
+    master, exp_avg, exp_avg_sq, grad = _states(n, seed, grad_dtype, case.get("grad_scale"))
+    want = [t.clone() for t in (master, exp_avg, exp_avg_sq)]
+    adam32.torch_adamw(*want, grad.float().clone(), **case)  # (it writes the unscaled gradient)
+    before = grad.clone()
+    adam32.adamw(master, exp_avg, exp_avg_sq, grad, **case)
+    assert torch.equal(grad, before)  # read only: no unscaled gradient written back
+    return [int((got != ref).sum()) for got, ref in zip((master, exp_avg, exp_avg_sq), want)]
+
+
+@pytest.mark.numeric
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_the_op_is_pytorchs_fused_adam_bit_for_bit(grad_dtype, case):
+    """Every element of every size (every tail length, the vector loop's and the scalar tail's arithmetic)."""
+    bad = {n: _mismatches(n, seed=n + case, grad_dtype=grad_dtype, case=CASES[case]) for n in SIZES}
+    assert all(counts == [0, 0, 0] for counts in bad.values()), (torch.backends.cpu.get_cpu_capability(), bad)
+
+
+@pytest.mark.numeric
+def test_the_op_is_bit_for_bit_on_a_nonzero_start_and_a_second_step():
+    """States carried over a step (moments not random), and a tensor that is a slice of a larger one."""
+    case = CASES[0]
+    base = [t.clone() for t in _states(10_000 + 21, 5, torch.bfloat16, None)]
+    ours = [t[3:].clone() for t in base[:3]]
+    theirs = [t.clone() for t in ours]
+    for step in (1, 2):
+        grad = base[3][3:]
+        adam32.adamw(*ours, grad, **{**case, "step": step})
+        adam32.torch_adamw(*theirs, grad.float().clone(), **{**case, "step": step})
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
+@pytest.mark.numeric
+@pytest.mark.parametrize("capability", ["default", "avx2"])
+def test_the_op_is_bit_for_bit_under_a_lower_cpu_capability(capability):
+    """PyTorch's kernel rounds differently under each SIMD level (FMAs or none); the op follows the one its
+    process runs (a child, as ATEN_CPU_CAPABILITY is read at start)."""
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+    child = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "numeric",
+                            f"{__file__}::test_the_op_is_pytorchs_fused_adam_bit_for_bit"],
+                           env=env, capture_output=True, text=True, timeout=900)
+    assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-2000:]
+
+
+def test_the_capabilities_differ_so_the_choice_matters():
+    """DEFAULT's arithmetic (no FMA) is not AVX2's: were they alike, the capability table would be moot."""
+    master, exp_avg, exp_avg_sq, grad = _states(4096, 1, torch.bfloat16, None)
+    runs = []
+    for row in ("DEFAULT", "AVX2"):
+        states = [t.clone() for t in (master, exp_avg, exp_avg_sq)]
+        fused, lanes, tail = adam32.ARITHMETIC[row]
+        adam32.extensions.load_native(adam32.OP, adam32._SOURCE).adamw(
+            *states, grad, 1e-3, 0.9, 0.999, 0.01, 1e-8, 3.0, True, 1.0, False, fused, lanes, tail)
+        runs.append(states)
+    assert not torch.equal(runs[0][1], runs[1][1])
+
+
+def test_a_failed_build_falls_back_and_says_so_once(monkeypatch, capsys):
+    said = []
+    monkeypatch.setattr(adam32, "_say", said.append)
+
+    def no_compiler(*_args):
+        raise RuntimeError("Error building extension 'fitone_adam32'\nc++: not found")
+
+    monkeypatch.setattr(adam32.extensions, "load_native", no_compiler)
+    adam32._built.cache_clear()
+    try:
+        assert not adam32.available() and not adam32.available()
+    finally:
+        adam32._built.cache_clear()
+    assert len(said) == 1 and "could not build" in said[0] and "widens the gradients instead" in said[0]
+    monkeypatch.setattr(adam32, "ENABLED", False)
+    assert not adam32.available()
+
+
+# -- in the pipelined update (fitone.zero2.overlap): the same training as the widening path it replaces ----------
+@pytest.mark.numeric
+@pytest.mark.parametrize("precision, grad_accum, clip", [("bf16", 1, 1e6), ("bf16", 3, 1.0), ("fp32", 1, 1.0),
+                                                         ("fp32", 3, 1e6)])
+def test_the_pipelined_update_reading_16_bits_trains_as_the_widening_one_bit_for_bit(monkeypatch, precision,
+                                                                                     grad_accum, clip):
+    """Per micro-batch losses and the final fp32 master and moments, op on and forced off; clip 1.0 clips (a scale
+    that is not 1), 1e6 does not. fp32 training has fp32 gradients: nothing to read in 16 bits, nothing changes."""
+    from test_speculative import identical, make_engine, train
+
+    calls, op = [], adam32.adamw
+    monkeypatch.setattr(adam32, "adamw", lambda *args, **kwargs: calls.append(op(*args, **kwargs)))
+    runs = []
+    for enabled in (True, False):
+        monkeypatch.setattr(adam32, "ENABLED", enabled)
+        engine = make_engine(precision, speculative=False, grad_accum=grad_accum, clip=clip)
+        try:
+            assert engine.overlap.reads_16bit == (enabled and precision == "bf16")
+            chunks = sum(map(len, engine.overlap.chunks))
+            runs.append(train(engine, 5, grad_accum))
+        finally:
+            engine.close()
+        if enabled:  # one call a chunk of each pipelined step (steps 2-5), in bf16 only
+            assert len(calls) == (4 * chunks if precision == "bf16" else 0)
+    assert identical(*runs)
+
+
+@pytest.mark.numeric
+def test_the_speculative_update_reading_16_bits_trains_as_the_widening_pipelined_one(monkeypatch):
+    """The speculation runs the update's own kernel, so it reads 16 bits too, and is kept: still bit for bit."""
+    from test_speculative import identical, make_engine, train
+
+    runs = []
+    for enabled, speculative in ((True, True), (False, False)):
+        monkeypatch.setattr(adam32, "ENABLED", enabled)
+        engine = make_engine("bf16", speculative=speculative)
+        try:
+            runs.append(train(engine, 5))
+            if speculative:
+                totals = engine.overlap.speculation.totals
+                assert totals["speculated_chunks"] > 0 and totals["rolled_back_chunks"] == 0
+        finally:
+            engine.close()
+    assert identical(*runs)
