@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from fitone.zero2 import low_precision
+from fitone.zero2 import low_precision, ranks
 from fitone.zero2 import speculative as speculative_update
-from fitone.zero2.layout import CHUNK_ELEMENTS, module_needs, world_size
+from fitone.zero2.layout import CHUNK_ELEMENTS, module_needs
 
 UPLOAD_CHUNK = CHUNK_ELEMENTS  # elements per pipelined Adam + upload chunk (two fp32 chunks on the GPU: 256 MiB)
 # DeepSpeedCPUAdam's C++ step runs whole SIMD blocks (up to 16 lanes x 8) and a scalar tail: chunks cut at
@@ -200,9 +200,9 @@ class PipelinedUpdate(OverlappedStep):
     checkpoints carry it).
 
     `speculative` (opt-in, fp32 states only): chunks' Adam run early, during the boundary backward, kept only where
-    bit-identical (fitone.zero2.speculative). One process only: with several ranks the updated partitions would
-    have to be all-gathered before any forward could use them. `model` is the engine's module (forward pre-hooks
-    go on its submodules).
+    bit-identical (fitone.zero2.speculative); one rank only, as are 16-bit states. On several ranks each rank
+    updates its own partition and every chunk is all-gathered as it lands (fitone.zero2.ranks). `model` is the
+    engine's module (forward pre-hooks go on its submodules).
     """
 
     name = "pipelined update"
@@ -212,9 +212,10 @@ class PipelinedUpdate(OverlappedStep):
         """chunk_elements: per Adam + upload chunk (default: the lean layout's chunk, else UPLOAD_CHUNK);
         speculative: Adam on chunks during the boundary backward (fitone.zero2.speculative; exact mode only)."""
         super().__init__(optimizer, after=after)
-        if world_size(optimizer) > 1:
+        self.ranks = ranks.Partitions(optimizer)  # several ranks: each chunk is all-gathered once uploaded
+        if self.ranks.several and (states != "fp32" or speculative):
             self.close()
-            raise ValueError("the pipelined update runs on one GPU (one rank)")
+            raise ValueError("on several ranks the pipelined update runs fp32 optimizer states, unspeculated")
         self.rounding = low_precision.ROUNDING_OF_STATES.get(states)  # None: fp32 states, fused AdamW
         self._bits = low_precision.RandomBits(rounding_seed) if self.rounding == low_precision.STOCHASTIC else None
         if self.rounding is not None:
@@ -254,7 +255,7 @@ class PipelinedUpdate(OverlappedStep):
             self._landing = [torch.empty(size, dtype=optimizer.single_partition_of_fp32_groups[0].dtype,
                                          device=optimizer.bit16_groups_flat[0].device) for _ in range(2)]
         self._hooks = [m.register_forward_pre_hook(self._pre_forward(needs))
-                       for m, needs in module_needs(optimizer, model)]
+                       for m, needs in module_needs(optimizer, model, self.ranks.sizes)]
         self._kept: frozenset[tuple[int, int]] = frozenset()  # (group, chunk)s whose Adam speculation ran
         self._speculated: dict[str, float] = {}  # the pending update's speculation counters (timing dict)
         self.speculation = speculative_update.Speculation(self) if speculative else None
@@ -380,7 +381,7 @@ class PipelinedUpdate(OverlappedStep):
             adam_s = 0.0
             k, kept = 0, self._kept  # k: chunks uploaded, alternating the two landing buffers
             for i, master in enumerate(opt.single_partition_of_fp32_groups):
-                target = opt.parallel_partitioned_bit16_groups[i][0]
+                target = self.ranks.own(i)
                 lo = 0
                 for c, hi in enumerate(self.chunks[i]):
                     t0 = time.perf_counter()
@@ -392,12 +393,14 @@ class PipelinedUpdate(OverlappedStep):
                         with torch.cuda.stream(self._side):
                             landing.copy_(master.data[lo:hi], non_blocking=True)  # the pinned master
                             target.data[lo:hi].copy_(landing)
+                            self.ranks.gather(i, lo, hi)  # on this stream: the event below follows it
                             event = torch.cuda.Event()
                             event.record(self._side)
                         self.uploaded[i][c] = event
                         k += 1
                     else:
                         target.data[lo:hi].copy_(master.data[lo:hi])
+                        self.ranks.gather(i, lo, hi)
                     self.ready[i][c].set()
                     lo = hi
             return {"adam_s": adam_s, "thread_s": time.perf_counter() - start}
