@@ -200,9 +200,9 @@ class PipelinedUpdate(OverlappedStep):
     checkpoints carry it).
 
     `speculative` (opt-in, fp32 states only): chunks' Adam run early, during the boundary backward, kept only where
-    bit-identical (fitone.zero2.speculative); one rank only, as are 16-bit states. On several ranks each rank
-    updates its own partition and every chunk is all-gathered as it lands (fitone.zero2.ranks). `model` is the
-    engine's module (forward pre-hooks go on its submodules).
+    bit-identical (fitone.zero2.speculative); one rank only, as are 16-bit states. Several ranks: each rank updates
+    its partition, whose chunks are all-gathered as the forward waits (fitone.zero2.ranks). `model`: the engine's
+    module (forward pre-hooks go on its submodules).
     """
 
     name = "pipelined update"
@@ -212,20 +212,17 @@ class PipelinedUpdate(OverlappedStep):
         """chunk_elements: per Adam + upload chunk (default: the lean layout's chunk, else UPLOAD_CHUNK);
         speculative: Adam on chunks during the boundary backward (fitone.zero2.speculative; exact mode only)."""
         super().__init__(optimizer, after=after)
-        self.ranks = ranks.Partitions(optimizer)  # several ranks: each chunk is all-gathered once uploaded
-        if self.ranks.several and (states != "fp32" or speculative):
-            self.close()
-            raise ValueError("on several ranks the pipelined update runs fp32 optimizer states, unspeculated")
+        self.ranks = ranks.Partitions(optimizer)  # several ranks: chunks are all-gathered as the forward waits
         self.rounding = low_precision.ROUNDING_OF_STATES.get(states)  # None: fp32 states, fused AdamW
         self._bits = low_precision.RandomBits(rounding_seed) if self.rounding == low_precision.STOCHASTIC else None
         if self.rounding is not None:
             low_precision.fused_op()  # built here, on the first run of this machine, not in the update thread
         self.compensated = states in low_precision.COMPENSATED
         bf16_master = optimizer.single_partition_of_fp32_groups[0].dtype == torch.bfloat16
-        if (self.rounding is not None) != bf16_master or (bf16_master and host is None):
+        if (self.rounding is not None) != bf16_master or (bf16_master and (host is None or self.ranks.several)):
             self.close()
-            raise ValueError(f"optimizer states {states} need the lean layout on DeepSpeed's bf16 master weights "
-                             "and states (bf16_master_weights_and_grads, bf16_optimizer_states), and only they")
+            raise ValueError(f"optimizer states {states} need one rank's lean layout on DeepSpeed's bf16 master "
+                             "weights and states (bf16_master_weights_and_grads, bf16_optimizer_states), and only they")
         chunk_elements = chunk_elements or (host.chunk_elements if host is not None else UPLOAD_CHUNK)
         if host is not None and (chunk_elements % SIMD_BLOCK or host.widen_elements % SIMD_BLOCK
                                  or chunk_elements > host.chunk_elements
@@ -234,9 +231,9 @@ class PipelinedUpdate(OverlappedStep):
             raise ValueError(f"the pipelined update on the lean layout runs DeepSpeedCPUAdam in chunks and "
                              f"widened slices of a multiple of {SIMD_BLOCK} elements, chunks at most the "
                              f"layout's {host.chunk_elements}")
-        if speculative and (self.rounding is not None or host is None):
+        if speculative and (self.rounding is not None or host is None or self.ranks.several):
             self.close()
-            raise ValueError("the speculative update runs on the lean layout with fp32 optimizer states only")
+            raise ValueError("the speculative update runs on one rank's lean layout with fp32 optimizer states only")
         self.host = host
         for master in optimizer.single_partition_of_fp32_groups if self.compensated else []:
             optimizer.optimizer.state[master]["compensation"] = torch.zeros_like(master.data)
@@ -282,8 +279,7 @@ class PipelinedUpdate(OverlappedStep):
             if self._failed and self.pending is not None:  # the thread failed: raise here (once, as sync
                 pending, self.pending = self.pending, None  # does), before a forward reads a stale chunk
                 pending.result()
-            if self.uploaded[i][c] is not None:
-                torch.cuda.current_stream().wait_event(self.uploaded[i][c])
+            self.ranks.arrived(self, i, c)  # the GPU stream follows its upload (several ranks: and its gather)
             self.waited[i] = c + 1
 
     def before_backward(self) -> None:
@@ -325,6 +321,7 @@ class PipelinedUpdate(OverlappedStep):
         self.ready = [[threading.Event() for _ in ends] for ends in self.chunks]
         self.uploaded = [[None] * len(ends) for ends in self.chunks]
         self.waited = [0] * len(self.chunks)
+        self.ranks.restart()
         self._wait_s = 0.0
         self._failed = False
         done = None
@@ -393,14 +390,12 @@ class PipelinedUpdate(OverlappedStep):
                         with torch.cuda.stream(self._side):
                             landing.copy_(master.data[lo:hi], non_blocking=True)  # the pinned master
                             target.data[lo:hi].copy_(landing)
-                            self.ranks.gather(i, lo, hi)  # on this stream: the event below follows it
                             event = torch.cuda.Event()
                             event.record(self._side)
                         self.uploaded[i][c] = event
                         k += 1
                     else:
                         target.data[lo:hi].copy_(master.data[lo:hi])
-                        self.ranks.gather(i, lo, hi)
                     self.ready[i][c].set()
                     lo = hi
             return {"adam_s": adam_s, "thread_s": time.perf_counter() - start}
