@@ -1,10 +1,11 @@
 """The pipelined update on several ranks (issue 30): 2 and 4 gloo CPU ranks under torchrun, real DeepSpeed engines.
 
-Each rank runs Adam on its own ZeRO-2 partition chunk by chunk and all-gathers every chunk as it lands
-(fitone.zero2.ranks). N ranks at micro-batch 4 with accumulation A see, step by step, the N x A micro-batches one
-process accumulates at micro-batch 4 (fitone.data.batches slices each step's examples by rank), so the curves
-are the same arithmetic summed in another order (tests/test_distributed.py); and the N-rank run with DeepSpeed's
-own step is the pipelined one but for the Adam implementation (tests/zero2/test_overlap.py's bounds).
+Each rank runs Adam on its own ZeRO-2 partition of every parameter group chunk by chunk, and each chunk is
+all-gathered as the forward first needs it (fitone.zero2.ranks). N ranks at micro-batch 8 with accumulation A see,
+step by step, the N x A micro-batches one process accumulates at micro-batch 8 (fitone.data.batches slices each
+step's examples by rank), so the curves are the same arithmetic summed in another order
+(tests/test_distributed.py); and the N-rank run with DeepSpeed's own step is the pipelined one but for the Adam
+implementation (tests/zero2/test_overlap.py's bounds, at its learning rate).
 """
 
 from __future__ import annotations
@@ -27,11 +28,12 @@ STEPS = LINEAR_STEPS  # whole-run fp32 bounds hold over these steps (tolerance.p
 EVAL = 16  # held-out examples scored with the final weights
 TRAIN = [*CLI_RUN, "--batch-size", "8", "--lr", str(LR), "--lr-schedule", "constant", "--warmup-steps", "0",
          "--eval-examples", str(EVAL)]
-CHUNK = 4096  # the lean layout's chunk in the children: each rank's partition in over a hundred chunks and gathers
-# `fitone train` as `python -m fitone train` runs it, with the lean layout's chunk cut to CHUNK first
+CHUNK = 4096  # the lean layout's chunk in the children: each rank's partitions in over a hundred chunks and gathers
+GROUP = 2**18  # elements per parameter group in the children: the tiny T5's 968k in four groups, each partitioned
+# `fitone train` as `python -m fitone train` runs it, with the lean layout's chunk and the groups cut first
 CHILD = f"""import sys
 from fitone.zero2 import layout
-layout.CHUNK_ELEMENTS = {CHUNK}
+layout.CHUNK_ELEMENTS, layout.GROUP_ELEMENTS = {CHUNK}, {GROUP}
 from fitone.cli import main
 sys.exit(main(sys.argv[1:]))
 """
