@@ -124,8 +124,9 @@ class LeanHost:
     - On a GPU the fp32 master and the gradient buffers are page-locked in place (cudaHostRegister: no copy,
       no rounding), so the gradient copies and the uploads stay asynchronous.
 
-    On several ranks a parameter may lie partly in this rank's partition: its sums, norm and copies run on
-    the slice there (DeepSpeed's `grad_position`; its accumulation adds the whole parameter, the same bits).
+    On several ranks a parameter may lie partly in this rank's partition (`grad_position`): its sums between
+    micro-batches, norm and copies run on that slice. DeepSpeed sums the whole parameter, and only its overflow
+    check reads the rest: it drops a step whose fp16 sum overflows outside the slice alone, this layout does not.
     """
 
     def __init__(self, optimizer: Any, chunk_elements: int | None = None, widen_elements: int | None = None):
