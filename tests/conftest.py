@@ -240,6 +240,8 @@ SLOW: dict[str, tuple[str, ...]] = {
                         "test_by_default_a_run_on_one_gpu_takes_the_pipelined_update_and_says_so",
                         "test_the_pipelined_update_on_a_causal_lm_with_tied_weights_and_accumulation",
                         "test_train_with_the_delayed_update_learns_exports_and_resumes"),
+    "test_ranks.py": ("test_the_pipelined_update_on_several_ranks_trains_like_one_process_and_like_deepspeeds_step",
+                      "test_a_resumed_pipelined_run_on_two_ranks_continues_as_the_uninterrupted_one"),  # torchrun
     "test_preflight.py": ("test_a_model_too_big_for_host_ram_is_refused_in_seconds_without_building_it",),
     "test_quiet.py": ("test_offload_none_builds_no_deepspeed_op_and_trains",
                       "test_plan_on_a_machine_without_a_gpu_prints_no_deepspeed_warning",

@@ -119,7 +119,7 @@ def _mode(world_size: int = 1, on_gpu: bool = True, **options) -> str:
 
 def test_the_pipelined_update_is_the_default_on_one_gpu_with_the_optimizer_on_the_cpu():
     assert _mode() == "pipelined"
-    assert _mode(world_size=2) == "deepspeed"  # ranks would all-gather the updated partitions first
+    assert _mode(world_size=2) == "deepspeed"  # several ranks: opt-in until a GPU measurement exists
     assert _mode(on_gpu=False) == "deepspeed"  # nothing on a GPU to overlap the CPU Adam with
     assert _mode(offload="none") == "deepspeed"  # no CPU optimizer step to move
     assert _mode(pipelined_update=False) == "deepspeed"  # --no-pipelined-update
@@ -140,9 +140,13 @@ def test_a_user_deepspeed_file_without_deepspeeds_cpu_adam_keeps_deepspeeds_step
             _mode(ds_config=str(path), **flag)
 
 
-def test_asking_for_the_pipelined_update_under_several_ranks_is_a_user_error():
-    with pytest.raises(ConfigError, match="runs on one GPU"):
-        _mode(world_size=2, pipelined_update=True)
+def test_asking_for_the_pipelined_update_under_several_ranks_takes_it_on_every_rank():
+    assert _mode(world_size=2, pipelined_update=True) == "pipelined"
+    assert _mode(world_size=4, pipelined_update=True, on_gpu=False) == "pipelined"  # the CPU tests' gloo ranks
+    assert _mode(world_size=2, pipelined_update=False) == "deepspeed"
+    # its one-GPU probe is the pipelined update too (a probe runs on one GPU whatever the launcher)
+    cfg = TrainConfig(model="t5-tiny", from_scratch=True, pipelined_update=True)
+    assert resolve_planned(cfg, 2).mode.on_one_gpu().name == "pipelined"
 
 
 def test_pipelined_update_takes_true_false_or_auto():

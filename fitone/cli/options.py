@@ -64,7 +64,7 @@ FLAGS: dict[str, tuple[Any, str]] = {
     "delayed_update_after": (int, "plain steps before the delayed update starts"),
     "pipelined_update": (bool, "run each step's CPU Adam and upload chunk by chunk while the next forward "
                                "runs, each layer waiting for its own weights (--no-pipelined-update: DeepSpeed's "
-                               "own step)"),
+                               "own step; under a launcher opt-in, not yet measured on GPUs)"),
     "optimizer_states": (OPTIMIZER_STATES, "the optimizer's host state: fp32 (exact, 14 B/param), or bf16 master "
                                            "weights and moments (8 B/param; needs --precision bf16, runs the "
                                            "pipelined update) rounded stochastically (bf16) or to the nearest "

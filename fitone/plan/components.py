@@ -93,6 +93,9 @@ def _gpu_components(st: _Setup, offload: bool, micro_batch: int) -> list[Compone
             comps.append(Component("pipelined-update landing", "buffers",
                                    2 * st.master * min(overlap.UPLOAD_CHUNK, part),
                                    f"two {kind} chunks: the updated master goes up and is cast on the GPU"))
+            if n > 1:  # torch's NCCL all_gather into a list of tensors gathers into one flat tensor first
+                comps.append(Component("pipelined-update gather", "buffers", n * w * min(overlap.UPLOAD_CHUNK, part),
+                                       f"one chunk of each of the {n} ranks' partitions, as it is all-gathered"))
     else:
         comps.append(Component("gradient partition", "gradients", w * part,
                                f"{bits} grads of this rank's partition"))  # grads_in_partition, line 2192

@@ -68,15 +68,22 @@ def world_size(opt: Any) -> int:
     return max(dist.get_world_size(group=g) for g in opt.real_dp_process_group)
 
 
-def module_needs(opt: Any, model: torch.nn.Module) -> list[tuple[torch.nn.Module, list[tuple[int, int]]]]:
+def module_needs(opt: Any, model: torch.nn.Module,
+                 sizes: list[int] | None = None) -> list[tuple[torch.nn.Module, list[tuple[int, int]]]]:
     """For each module of `model` with parameters of its own: (group, last element) of each of the ZeRO-2
-    optimizer's flat 16-bit groups it reads (what the pipelined update's forward waits for)."""
+    optimizer's flat 16-bit groups it reads (what the pipelined update's forward waits for). `sizes`, per
+    group the elements of each rank's partition (several ranks, fitone.zero2.ranks): the last element is
+    then the furthest one into its partition, since chunk c of every partition arrives at once."""
     where: dict[int, tuple[int, int]] = {}  # param data_ptr -> (group, end offset in the flat buffer)
     for i, (flat, params) in enumerate(zip(opt.bit16_groups_flat, opt.bit16_groups)):
         base, size = flat.data_ptr(), flat.element_size()
         for p in params:
             start = (p.data.data_ptr() - base) // size
-            where[p.data_ptr()] = (i, start + p.numel())
+            end = start + p.numel()
+            if sizes:  # a tensor across a partition's end holds that partition's last element
+                part = sizes[i]
+                end = end - start // part * part if start // part == (end - 1) // part else part
+            where[p.data_ptr()] = (i, end)
     needs = []
     for module in model.modules():
         ends: dict[int, int] = {}
@@ -117,7 +124,9 @@ class LeanHost:
     - On a GPU the fp32 master and the gradient buffers are page-locked in place (cudaHostRegister: no copy,
       no rounding), so the gradient copies and the uploads stay asynchronous.
 
-    One rank only (the pipelined update's case), where every parameter lies whole in the partition.
+    On several ranks a parameter may lie partly in this rank's partition (`grad_position`): its sums between
+    micro-batches, norm and copies run on that slice. DeepSpeed sums the whole parameter, and only its overflow
+    check reads the rest: it drops a step whose fp16 sum overflows outside the slice alone, this layout does not.
     """
 
     def __init__(self, optimizer: Any, chunk_elements: int | None = None, widen_elements: int | None = None):
@@ -207,9 +216,7 @@ class LeanHost:
         for i, params in enumerate(opt.params_in_partition):
             for p in params:
                 param_id = opt.get_param_id(p)
-                _, source_offset, dest_offset, n = opt.grad_position[param_id]
-                if source_offset != 0 or n != p.numel():
-                    raise ValueError("the lean host layout runs on one rank (each parameter whole in the partition)")
+                _, _, dest_offset, n = opt.grad_position[param_id]
                 opt.accumulated_grads_in_cpu[param_id] = self.gradients[i].narrow(0, dest_offset, n)
 
     def _lean_accumulation(self) -> None:
@@ -230,8 +237,10 @@ class LeanHost:
         opt, chunk = self.opt, self.chunk_elements
 
         def accumulate(param: torch.nn.Parameter) -> None:
-            held = opt.accumulated_grads_in_cpu[opt.get_param_id(param)].view(-1)
-            grad = opt.get_param_gradient_attribute(param).data.view(-1)
+            param_id = opt.get_param_id(param)
+            held = opt.accumulated_grads_in_cpu[param_id].view(-1)
+            _, source_offset, _, n = opt.grad_position[param_id]  # this rank's slice (all of it on one rank)
+            grad = opt.get_param_gradient_attribute(param).data.view(-1).narrow(0, source_offset, n)
             if opt.micro_step_id > 0:
                 for lo in range(0, grad.numel(), chunk):
                     hi = min(lo + chunk, grad.numel())

@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from fitone.zero2 import adam32, low_precision
+from fitone.zero2 import adam32, low_precision, ranks
 from fitone.zero2 import speculative as speculative_update
-from fitone.zero2.layout import CHUNK_ELEMENTS, module_needs, world_size
+from fitone.zero2.layout import CHUNK_ELEMENTS, module_needs
 
 UPLOAD_CHUNK = CHUNK_ELEMENTS  # elements per pipelined Adam + upload chunk (two fp32 chunks on the GPU: 256 MiB)
 # DeepSpeedCPUAdam's C++ step runs whole SIMD blocks (up to 16 lanes x 8) and a scalar tail: chunks cut at
@@ -197,9 +197,9 @@ class PipelinedUpdate(OverlappedStep):
     checkpoints carry it).
 
     `speculative` (opt-in, fp32 states only): chunks' Adam run early, during the boundary backward, kept only where
-    bit-identical (fitone.zero2.speculative). One process only: with several ranks the updated partitions would
-    have to be all-gathered before any forward could use them. `model` is the engine's module (forward pre-hooks
-    go on its submodules).
+    bit-identical (fitone.zero2.speculative); one rank only, as are 16-bit states. Several ranks: each rank updates
+    its partition, whose chunks are all-gathered as the forward waits (fitone.zero2.ranks). `model`: the engine's
+    module (forward pre-hooks go on its submodules).
     """
 
     name = "pipelined update"
@@ -209,19 +209,17 @@ class PipelinedUpdate(OverlappedStep):
         """chunk_elements: per Adam + upload chunk (default: the lean layout's chunk, else UPLOAD_CHUNK);
         speculative: Adam on chunks during the boundary backward (fitone.zero2.speculative; exact mode only)."""
         super().__init__(optimizer, after=after)
-        if world_size(optimizer) > 1:
-            self.close()
-            raise ValueError("the pipelined update runs on one GPU (one rank)")
+        self.ranks = ranks.Partitions(optimizer)  # several ranks: chunks are all-gathered as the forward waits
         self.rounding = low_precision.ROUNDING_OF_STATES.get(states)  # None: fp32 states, fused AdamW
         self._bits = low_precision.RandomBits(rounding_seed) if self.rounding == low_precision.STOCHASTIC else None
         if self.rounding is not None:
             low_precision.fused_op()  # built here, on the first run of this machine, not in the update thread
         self.compensated = states in low_precision.COMPENSATED
         bf16_master = optimizer.single_partition_of_fp32_groups[0].dtype == torch.bfloat16
-        if (self.rounding is not None) != bf16_master or (bf16_master and host is None):
+        if (self.rounding is not None) != bf16_master or (bf16_master and (host is None or self.ranks.several)):
             self.close()
-            raise ValueError(f"optimizer states {states} need the lean layout on DeepSpeed's bf16 master weights "
-                             "and states (bf16_master_weights_and_grads, bf16_optimizer_states), and only they")
+            raise ValueError(f"optimizer states {states} need one rank's lean layout on DeepSpeed's bf16 master "
+                             "weights and states (bf16_master_weights_and_grads, bf16_optimizer_states), and only they")
         chunk_elements = chunk_elements or (host.chunk_elements if host is not None else UPLOAD_CHUNK)
         if host is not None and (chunk_elements % SIMD_BLOCK or host.widen_elements % SIMD_BLOCK
                                  or chunk_elements > host.chunk_elements
@@ -230,9 +228,9 @@ class PipelinedUpdate(OverlappedStep):
             raise ValueError(f"the pipelined update on the lean layout runs DeepSpeedCPUAdam in chunks and "
                              f"widened slices of a multiple of {SIMD_BLOCK} elements, chunks at most the "
                              f"layout's {host.chunk_elements}")
-        if speculative and (self.rounding is not None or host is None):
+        if speculative and (self.rounding is not None or host is None or self.ranks.several):
             self.close()
-            raise ValueError("the speculative update runs on the lean layout with fp32 optimizer states only")
+            raise ValueError("the speculative update runs on one rank's lean layout with fp32 optimizer states only")
         self.host = host
         # the fp32 Adam reads the 16-bit gradients as they are (fitone.zero2.adam32), unless its op cannot be built
         self.reads_16bit = host is not None and host.widens and self.rounding is None and adam32.available()
@@ -253,7 +251,7 @@ class PipelinedUpdate(OverlappedStep):
             self._landing = [torch.empty(size, dtype=optimizer.single_partition_of_fp32_groups[0].dtype,
                                          device=optimizer.bit16_groups_flat[0].device) for _ in range(2)]
         self._hooks = [m.register_forward_pre_hook(self._pre_forward(needs))
-                       for m, needs in module_needs(optimizer, model)]
+                       for m, needs in module_needs(optimizer, model, self.ranks.sizes)]
         self._kept: frozenset[tuple[int, int]] = frozenset()  # (group, chunk)s whose Adam speculation ran
         self._speculated: dict[str, float] = {}  # the pending update's speculation counters (timing dict)
         self.speculation = speculative_update.Speculation(self) if speculative else None
@@ -280,8 +278,7 @@ class PipelinedUpdate(OverlappedStep):
             if self._failed and self.pending is not None:  # the thread failed: raise here (once, as sync
                 pending, self.pending = self.pending, None  # does), before a forward reads a stale chunk
                 pending.result()
-            if self.uploaded[i][c] is not None:
-                torch.cuda.current_stream().wait_event(self.uploaded[i][c])
+            self.ranks.arrived(self, i, c)  # the GPU stream follows its upload (several ranks: and its gather)
             self.waited[i] = c + 1
 
     def before_backward(self) -> None:
@@ -323,6 +320,7 @@ class PipelinedUpdate(OverlappedStep):
         self.ready = [[threading.Event() for _ in ends] for ends in self.chunks]
         self.uploaded = [[None] * len(ends) for ends in self.chunks]
         self.waited = [0] * len(self.chunks)
+        self.ranks.restart()
         self._wait_s = 0.0
         self._failed = False
         done = None
@@ -374,7 +372,7 @@ class PipelinedUpdate(OverlappedStep):
             adam_s = 0.0
             k, kept = 0, self._kept  # k: chunks uploaded, alternating the two landing buffers
             for i, master in enumerate(opt.single_partition_of_fp32_groups):
-                target = opt.parallel_partitioned_bit16_groups[i][0]
+                target = self.ranks.own(i)
                 lo = 0
                 for c, hi in enumerate(self.chunks[i]):
                     t0 = time.perf_counter()

@@ -2,8 +2,9 @@
 
 Decided once per run (`decide`, called by fitone.run's `resolve` with the run's DeepSpeed sections, world size
 and device) and handed as a `StepMode` to the engine, the probe and the plan. Pipelined is the default where it
-is measured faster and trains the same (bench/NOTES.md): one GPU, DeepSpeedCPUAdam on the CPU. The
-16-bit optimizer states (--optimizer-states bf16) run in the pipelined update only, on any device.
+is measured faster and trains the same (bench/NOTES.md): one GPU, DeepSpeedCPUAdam on the CPU. Several ranks take
+it when asked (--pipelined-update: CPU-tested, not yet measured on GPUs), DeepSpeed's step by default. The
+16-bit optimizer states (--optimizer-states bf16) run in the pipelined update only, on one rank, on any device.
 """
 
 from __future__ import annotations
@@ -28,12 +29,15 @@ class StepMode:
     states: str = "fp32"  # the optimizer's host state (fitone.config.OPTIMIZER_STATES)
     rounding_seed: int = 0  # keys stochastic rounding's bits (fitone.zero2.low_precision)
     speculative: bool = False  # the pipelined update's Adam during the backward (fitone.zero2.speculative)
+    on_ranks: bool = False  # --pipelined-update under a launcher: the pipelined update on every rank (opt-in)
 
     @property
     def name(self) -> str:
-        """The step this run takes: several ranks keep DeepSpeed's (each would all-gather the updated
-        partitions before any forward, so nothing is overlapped)."""
-        return DEEPSPEED if self.one_gpu == PIPELINED and self.world_size > 1 else self.one_gpu
+        """The step this run takes: several ranks keep DeepSpeed's unless the pipelined update is asked for
+        (it gathers each updated chunk beside the forward, fitone.zero2.ranks; no GPU measurement yet)."""
+        if self.one_gpu == PIPELINED and self.world_size > 1 and not self.on_ranks:
+            return DEEPSPEED
+        return self.one_gpu
 
     def on_one_gpu(self) -> StepMode:
         """The same settings as a one-GPU probe runs them."""
@@ -66,9 +70,6 @@ def decide(ds: dict[str, Any], *, delayed_update: bool, delayed_update_after: in
     if pipelined_update and not lean:
         raise ConfigError("--pipelined-update keeps the gradients in the weights' dtype, which DeepSpeed sums them "
                           "in: drop data_types.grad_accum_dtype from --ds-config, or drop the flag")
-    if pipelined_update and world_size > 1:
-        raise ConfigError("--pipelined-update runs on one GPU: drop it under a launcher (several GPUs take "
-                          "DeepSpeed's step)")
     if optimizer_states != "fp32" or (ds.get("bf16") or {}).get("bf16_master_weights_and_grads"):
         _check_16bit_states(ds, optimizer_states, cpu_adam=cpu_adam, lean=lean, delayed_update=delayed_update,
                             pipelined_update=pipelined_update, world_size=world_size)
@@ -84,7 +85,7 @@ def decide(ds: dict[str, Any], *, delayed_update: bool, delayed_update_after: in
         one_gpu = PIPELINED if on_gpu and offloaded and cpu_adam and lean else DEEPSPEED
     _check_speculative(speculative_update, one_gpu, world_size, optimizer_states)
     return StepMode(one_gpu=one_gpu, world_size=world_size, delayed_after=delayed_update_after,
-                    speculative=speculative_update)
+                    speculative=speculative_update, on_ranks=bool(pipelined_update) and world_size > 1)
 
 
 def _check_speculative(asked: bool, one_gpu: str, world_size: int, states: str) -> None:

@@ -186,6 +186,23 @@ def test_two_gpus_halve_the_partitioned_host_states():
     assert two.host_total == 2 * sum(c.bytes for c in two.host)  # both ranks live on this host
 
 
+def test_on_several_ranks_the_pipelined_update_plans_each_rank_s_lean_host_layout():
+    """--pipelined-update under a launcher (opt-in there): each rank holds the lean layout of its own partition,
+    and its GPU one chunk of every rank's partition as that chunk is all-gathered."""
+    from fitone.zero2.overlap import UPLOAD_CHUNK
+
+    one = plan(**T5_3B, gpu_mem="24GiB", host_mem="256GiB")  # the lean layout: one GPU's default
+    two = plan(**T5_3B, gpu_mem="24GiB", host_mem="256GiB", gpus=2, pipelined_update=True)
+    assert {c.name for c in two.host} == {c.name for c in one.host}
+    for name in ("fp32 master weights", "gradients", "Adam m and v"):
+        assert part(two, "host", name) == pytest.approx(part(one, "host", name) / 2, abs=16)
+    assert two.host_total == 2 * sum(c.bytes for c in two.host)  # both ranks live on this host
+    assert part(two, "gpu", "pipelined-update gather") == 2 * 2 * UPLOAD_CHUNK  # two ranks' fp16 chunks
+    assert "pipelined-update gather" not in {c.name for c in one.gpu}
+    default = plan(**T5_3B, gpu_mem="24GiB", host_mem="256GiB", gpus=2)  # several ranks' default: DeepSpeed's step
+    assert "fp32 gradients" in {c.name for c in default.host} and "gradients" not in {c.name for c in default.host}
+
+
 def test_the_delayed_update_adds_a_second_fp32_gradient_buffer_on_the_host():
     plain = plan(**T5_3B, gpu_mem="24GiB", host_mem="256GiB", pipelined_update=False)  # DeepSpeed's step
     delayed = plan(**T5_3B, gpu_mem="24GiB", host_mem="256GiB", delayed_update=True)
@@ -283,6 +300,7 @@ def test_cli_table(capsys):
 @pytest.mark.parametrize("without, with_, component, where", [
     (["--no-pipelined-update"], [], "pipelined-update landing", "gpu"),  # on by default on one GPU
     (["--no-pipelined-update", "--gpus", "2"], ["--gpus", "1"], "pipelined-update landing", "gpu"),  # ranks: off
+    (["--gpus", "2"], ["--gpus", "2", "--pipelined-update"], "pipelined-update gather", "gpu"),  # ranks: opt-in
     ([], ["--delayed-update"], "delayed-update gradients", "host"),
 ])
 def test_cli_counts_the_overlapped_update_the_run_will_take(capsys, without, with_, component, where):
@@ -298,7 +316,6 @@ def test_cli_counts_the_overlapped_update_the_run_will_take(capsys, without, wit
     (["--model", "no-such-model", "--from-scratch", "--gpu-mem", "24GiB"], "shipped config"),
     (["--model", "t5-small", "--from-scratch", "--gpu-mem", "24GiB", "--src-len", "-3"], "--src-len"),
     (["--model", "t5-small", "--from-scratch", "--gpu-mem", "24GiB", "--gpus", "0"], "--gpus"),
-    (["--model", "t5-small", "--from-scratch", "--gpu-mem", "24GiB", "--gpus", "2", "--pipelined-update"], "one GPU"),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, argv, words):
     assert main(["plan", *argv]) == 2
