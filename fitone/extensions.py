@@ -158,6 +158,9 @@ def load_native(name: str, source: Path) -> Any:
             from torch.utils.cpp_extension import load
 
             prepare_build(name)
+            # not linked to an OpenMP library of its own (as DeepSpeed's cpu_adam is not): its OpenMP calls bind to
+            # the one torch loaded. A CUDA torch bundles libgomp under another soname, so `-fopenmp` at the link
+            # would load the system's beside it, a second pool of threads spinning against torch's
             _loaded[name] = load(name=build_name(name), sources=[str(source)], extra_cflags=NATIVE_CFLAGS,
-                                 extra_ldflags=["-fopenmp"], verbose=False)
+                                 verbose=False)
     return _loaded[name]

@@ -5,7 +5,8 @@ import torch
 from fitone import extensions
 from fitone.zero2 import adam32
 
-CH, N = 2**25, 4
+import os
+CH, N = 2**int(os.environ.get("LOG2", 25)), 4
 print("torch", torch.__version__, "capability", torch.backends.cpu.get_cpu_capability(), "threads", torch.get_num_threads(),
       "parallel:", torch.__config__.parallel_info().splitlines()[:6])
 ms = [torch.randn(CH) for _ in range(N)]; m1 = [torch.zeros(CH) for _ in range(N)]; m2 = [torch.zeros(CH) for _ in range(N)]
