@@ -60,6 +60,16 @@ def available() -> bool:
     return ENABLED and _built()
 
 
+# The gradients the pipelined update hands the op. Its fp16 loads do not vectorize (GCC has no vector type for
+# _Float16 without AVX512-FP16), so from fp16 gradients it is slower than widening them: bench/NOTES.md.
+READS = (torch.bfloat16,)
+
+
+def reads(dtype: torch.dtype) -> bool:
+    """Whether the pipelined update's fp32 Adam reads gradients of `dtype` through the op, rather than widened."""
+    return dtype in READS and available()
+
+
 def adamw(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor, *, step: int,
           lr: float, betas: tuple[float, float], eps: float, weight_decay: float, grad_scale: float | None = None,
           adam_w_mode: bool = True) -> None:

@@ -182,12 +182,12 @@ class PipelinedUpdate(OverlappedStep):
     declared, which is close to the order the forward uses them), runs while step N+1's forward runs.
     Each chunk's fp32 master weights go up as they are and are cast to 16 bits on the GPU.
 
-    On the lean host layout (`host`, fitone.zero2.layout.LeanHost; the engine's case) Adam reads each chunk's 16-bit
-    gradient as it is (fitone.zero2.adam32, PyTorch's fused AdamW's bits; widened a slice at a time where its op
-    cannot be built), and the first `after` steps, which are DeepSpeed's arithmetic, run the same chunks through
-    DeepSpeed's unscale/clip and DeepSpeedCPUAdam's C++ step, widened a slice at a time, applied before `step`
-    returns: DeepSpeed's own step would need a whole fp32 gradient. Without `host`, on DeepSpeed's own layout,
-    its fp32 gradients are read and its own step runs first.
+    On the lean host layout (`host`, fitone.zero2.layout.LeanHost; the engine's case) Adam reads each chunk's bf16
+    gradient as it is (fitone.zero2.adam32, PyTorch's fused AdamW's bits; fp16 ones, or where its op cannot be
+    built, widened a slice at a time), and the first `after` steps, which are DeepSpeed's arithmetic, run the
+    same chunks through DeepSpeed's unscale/clip and DeepSpeedCPUAdam's C++ step, widened a slice at a time,
+    applied before `step` returns: DeepSpeed's own step would need a whole fp32 gradient. Without `host`, on
+    DeepSpeed's own layout, its fp32 gradients are read and its own step runs first.
 
     `states` 'bf16', 'bf16-nearest' or 'bf16-kahan' (on `host` only; DeepSpeed built with
     bf16_master_weights_and_grads and bf16_optimizer_states): every step, the first ones too, is
@@ -233,7 +233,8 @@ class PipelinedUpdate(OverlappedStep):
             raise ValueError("the speculative update runs on one rank's lean layout with fp32 optimizer states only")
         self.host = host
         # the fp32 Adam reads the 16-bit gradients as they are (fitone.zero2.adam32), unless its op cannot be built
-        self.reads_16bit = host is not None and host.widens and self.rounding is None and adam32.available()
+        self.reads_16bit = (host is not None and host.widens and self.rounding is None
+                            and all(adam32.reads(g.dtype) for g in host.gradients))
         for master in optimizer.single_partition_of_fp32_groups if self.compensated else []:
             optimizer.optimizer.state[master]["compensation"] = torch.zeros_like(master.data)
         self.chunks = self._plan_chunks(chunk_elements)  # per group: chunk ends (exclusive), ascending

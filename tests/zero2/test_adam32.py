@@ -155,3 +155,9 @@ def test_the_speculative_update_reading_16_bits_trains_as_the_widening_pipelined
         finally:
             engine.close()
     assert identical(*runs)
+
+
+def test_the_update_hands_the_op_bf16_gradients_only():
+    # its fp16 loop does not vectorize (bench/NOTES.md): fp16 gradients are widened for PyTorch's kernel instead
+    assert not adam32.reads(torch.float16) and not adam32.reads(torch.float32)
+    assert adam32.reads(torch.bfloat16) == adam32.available()
