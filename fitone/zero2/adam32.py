@@ -60,9 +60,8 @@ def available() -> bool:
     return ENABLED and _built()
 
 
-# The gradients the pipelined update hands the op. Its fp16 loads do not vectorize (GCC has no vector type for
-# _Float16 without AVX512-FP16), so from fp16 gradients it is slower than widening them: bench/NOTES.md.
-READS = (torch.bfloat16,)
+# The gradients the pipelined update hands the op (fp32 ones go to PyTorch's kernel as they are)
+READS = (torch.bfloat16, torch.float16)
 
 
 def reads(dtype: torch.dtype) -> bool:

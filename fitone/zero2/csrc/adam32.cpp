@@ -16,6 +16,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -31,6 +36,18 @@ inline float widen(uint16_t h)  // bf16: the top half of an fp32 pattern
 
 inline float widen(_Float16 h) { return static_cast<float>(h); }  // exact, as every fp16 number is an fp32 one
 inline float widen(float f) { return f; }
+
+// GCC has no vector type for _Float16 without AVX512-FP16, so a loop that reads fp16 runs element by element:
+// fp16 is widened a block at a time into an L1 buffer by F16C's conversion (exact), then the fp32 loop runs on it
+inline void widen_block(const _Float16* __restrict__ src, float* __restrict__ dst, int64_t n)
+{
+    int64_t k = 0;
+#if defined(__F16C__)
+    for (; k + 8 <= n; k += 8)
+        _mm256_storeu_ps(dst + k, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + k))));
+#endif
+    for (; k < n; ++k) dst[k] = static_cast<float>(src[k]);
+}
 
 // PLAIN: no FMA (DEFAULT). VECTOR: PyTorch's vector loop on AVX2/AVX512, exp_avg_sq = fma(c2 * g, g, v * beta2).
 // SCALAR: its scalar tail there, exp_avg_sq = fma(v, beta2, c2 * g * g). Both fused ones: the lerp and Adam's
@@ -75,6 +92,22 @@ void block(float* __restrict__ P, float* __restrict__ M, float* __restrict__ V, 
     }
 }
 
+// block() over [lo, hi), through the L1 buffer where the gradient is fp16
+template <typename grad_t, bool SCALE, Decay DECAY, Arith A>
+void span(float* P, float* M, float* V, const grad_t* G, int64_t lo, int64_t hi, const Hyper& h)
+{
+    if constexpr (std::is_same_v<grad_t, _Float16>) {
+        alignas(64) float buf[BLOCK];
+        for (int64_t a = lo; a < hi; a += BLOCK) {
+            const int64_t n = std::min(hi, a + BLOCK) - a;
+            widen_block(G + a, buf, n);
+            block<float, SCALE, DECAY, A>(P + a, M + a, V + a, buf, 0, n, h);
+        }
+    } else {
+        block<grad_t, SCALE, DECAY, A>(P, M, V, G, lo, hi, h);
+    }
+}
+
 template <typename grad_t, bool SCALE, Decay DECAY>
 void regions(float* P, float* M, float* V, const grad_t* G, int64_t n, const Hyper& h, Arith body, int64_t lanes,
              int64_t tail_vector)
@@ -86,13 +119,13 @@ void regions(float* P, float* M, float* V, const grad_t* G, int64_t n, const Hyp
     at::parallel_for(0, (body_end + BLOCK - 1) / BLOCK, 16, [&](int64_t first, int64_t last) {
         for (int64_t b = first; b < last; ++b) {
             const int64_t lo = b * BLOCK, hi = std::min(body_end, lo + BLOCK);
-            if (body == PLAIN) block<grad_t, SCALE, DECAY, PLAIN>(P, M, V, G, lo, hi, h);
-            else block<grad_t, SCALE, DECAY, VECTOR>(P, M, V, G, lo, hi, h);
+            if (body == PLAIN) span<grad_t, SCALE, DECAY, PLAIN>(P, M, V, G, lo, hi, h);
+            else span<grad_t, SCALE, DECAY, VECTOR>(P, M, V, G, lo, hi, h);
         }
     });
-    if (body == PLAIN) return block<grad_t, SCALE, DECAY, PLAIN>(P, M, V, G, body_end, n, h);
-    block<grad_t, SCALE, DECAY, VECTOR>(P, M, V, G, body_end, vector_end, h);
-    block<grad_t, SCALE, DECAY, SCALAR>(P, M, V, G, vector_end, n, h);
+    if (body == PLAIN) return span<grad_t, SCALE, DECAY, PLAIN>(P, M, V, G, body_end, n, h);
+    span<grad_t, SCALE, DECAY, VECTOR>(P, M, V, G, body_end, vector_end, h);
+    span<grad_t, SCALE, DECAY, SCALAR>(P, M, V, G, vector_end, n, h);
 }
 
 template <typename grad_t>
