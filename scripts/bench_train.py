@@ -8,7 +8,9 @@ $OUT/bench7b-<tag>.partial.json (removed at the end), which a run cut by a hard 
 
 Everything after `--` is fitone's command line, run in this process (fitone.cli.dispatch). `--loss chunked`
 before `--` keeps the fused loss off Liger-Kernel (to time the two fused paths against each other), `--loss
-any-vocab` takes the fused loss whatever the vocabulary (to time it against the model's own on a small one);
+any-vocab` takes the fused loss whatever the vocabulary (to time it against the model's own on a small one), `--loss
+alternate` trains odd optimizer steps with the model's own loss and even ones with the fused loss, in one engine (an
+A/B that no machine drift or run order can tilt: the record's `alternate` compares the two kinds of step);
 `--no-export` skips writing final/ (speed comparisons).
 The record carries model, tool, cap_gib, micro_batch, seq_len, grad_accum, tokens_per_s, peak_gpu_gib,
 peak_host_gib and params, so that a run can be checked against a bar.
@@ -22,6 +24,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import torch
@@ -29,22 +32,47 @@ import torch
 from _harness import GIB  # and the checkout first on the path
 
 
-def choose_loss(how: str) -> None:
-    """`--loss`: which fused loss the run takes where fitone's own rule would pick another."""
+def choose_loss(how: str) -> list[str]:
+    """`--loss`: which fused loss the run takes where fitone's own rule would pick another; returns the list
+    `--loss alternate` writes each engine forward's choice to ('own' or 'fused')."""
     from fitone import loss as fitone_loss
 
-    assert how in ("chunked", "any-vocab"), how
+    assert how in ("chunked", "any-vocab", "alternate"), how
     if how == "chunked":
         fitone_loss.liger_available = lambda: False
-    else:  # the fused loss whatever the vocabulary (a GPU keeps the model's own below FUSED_MIN_VOCAB_GPU)
-        fitone_loss.FUSED_MIN_VOCAB_GPU = 0
+        return []
+    fitone_loss.FUSED_MIN_VOCAB_GPU = 0  # the fused loss whatever the vocabulary (a GPU keeps the model's own below)
+    return alternate_losses(fitone_loss) if how == "alternate" else []
+
+
+def alternate_losses(fitone_loss: Any) -> list[str]:
+    """The model's own loss on odd optimizer steps, the fused one on even steps: the fused install keeps the model's
+    own forward beside it, and each engine forward picks one by its optimizer step."""
+    from fitone.engine import Engine
+
+    fused_now, calls, used = [False], [0], []
+    install, engine_forward = fitone_loss.install, Engine.forward
+
+    def alternating_install(model: torch.nn.Module, backend: str) -> None:
+        own = model.forward
+        install(model, backend)
+        fused = model.forward
+        model.forward = lambda *a, **k: (fused if fused_now[0] else own)(*a, **k)
+
+    def forward(self: Engine, batch: dict) -> torch.Tensor:
+        fused_now[0] = (calls[0] // self.ds.gradient_accumulation_steps()) % 2 == 1
+        calls[0] += 1
+        used.append("fused" if fused_now[0] else "own")
+        return engine_forward(self, batch)
+
+    fitone_loss.install, Engine.forward = alternating_install, forward
+    return used
 
 
 def main(argv: list[str]) -> int:
     tag, fitone_args = argv[0], argv[argv.index("--") + 1:]
     skip_export = "--no-export" in argv[:argv.index("--")]
-    if "--loss" in argv[:argv.index("--")]:
-        choose_loss(argv[argv.index("--loss") + 1])
+    used = choose_loss(argv[argv.index("--loss") + 1]) if "--loss" in argv[:argv.index("--")] else []
     import importlib
 
     from fitone.zero2.timing import timed_engines
@@ -52,7 +80,8 @@ def main(argv: list[str]) -> int:
     fitone_train = importlib.import_module("fitone.train")  # the module, not fitone.train the function
     from fitone.cli import dispatch
 
-    record: dict = {"tag": tag, "command": "fitone " + " ".join(fitone_args)}
+    record: dict = {"tag": tag, "command": "fitone " + " ".join(fitone_args),
+                    "bench_args": " ".join(argv[1:argv.index("--")])}
     phase = ["start"]
     samples: list[tuple[float, float, str]] = []
     proc = psutil.Process()
@@ -116,6 +145,8 @@ def main(argv: list[str]) -> int:
     except BaseException as exc:  # noqa: BLE001 - the record says what happened
         record["exit"] = repr(exc)[:500]
     record["wall_s"] = round(time.perf_counter() - t0, 1)
+    if used:
+        record["loss_by_forward"] = used
     stop.set()
     sampler.join()
     if torch.cuda.is_available():
@@ -168,8 +199,23 @@ def metrics_fields(fitone_args: list[str], record: dict) -> dict:
         out["median_step_s"] = timed[len(timed) // 2]
         out["samples_per_s_median"] = [r.get("samples_per_s") for r in rows[3:]][len(timed) // 2]
         if record.get("seq_len"):  # synthetic rows are full --seq-len rows
-            out["tokens_per_s"] = round(len(timed) * record["seq_len"] * record["micro_batch"]
-                                        * record["grad_accum"] / sum(timed), 1)
+            tokens = record["seq_len"] * record["micro_batch"] * record["grad_accum"]
+            out["tokens_per_s"] = round(len(timed) * tokens / sum(timed), 1)
+            if "--loss alternate" in record.get("bench_args", ""):
+                out["alternate"] = alternate_fields(rows[3:], tokens)
+    return out
+
+
+def alternate_fields(rows: list[dict], tokens: int) -> dict:
+    """`--loss alternate`'s two kinds of step (odd: the model's own loss, even: the fused one): tokens/s over each
+    kind's steps, and the speed ratio fused / own of each pair of neighbouring steps (the spread between them)."""
+    kinds = {"own": [r["step_s"] for r in rows if r["step"] % 2],
+             "fused": [r["step_s"] for r in rows if not r["step"] % 2]}
+    out: dict = {k: {"steps": len(v), "tokens_per_s": round(len(v) * tokens / sum(v), 1) if v else None,
+                     "step_s": v} for k, v in kinds.items()}
+    by_step = {r["step"]: r["step_s"] for r in rows}
+    out["fused_speed_over_own_per_pair"] = [round(by_step[s] / by_step[s + 1], 4) for s in sorted(by_step)
+                                            if s % 2 and s + 1 in by_step]  # own step's time / the next fused one's
     return out
 
 

@@ -45,3 +45,26 @@ def test_a_partial_record_that_cannot_be_written_does_not_stop_the_run(tmp_path)
     bench = _load()
     bench.write_partial(tmp_path / "missing" / "x.json", {}, [(0.0, 1.0, "start")], ["train"])
     assert not (tmp_path / "missing").exists()
+
+
+def test_alternate_losses_trains_odd_steps_with_the_own_loss_and_even_ones_with_the_fused_one(tmp_path,
+                                                                                               deepspeed_ops_built):
+    """A real run (gpt2-tiny on the CPU, where the fused loss is the chunked one): each optimizer step's micro-batches
+    take one loss, the kinds alternate, and the record compares the two kinds of step."""
+    from conftest import child_env, run_child
+
+    run_dir = tmp_path / "run"
+    proc = run_child([sys.executable, str(ROOT / "scripts" / "bench_train.py"), "alt", "--no-export", "--loss",
+                      "alternate", "--", "train", "--model", "gpt2-tiny", "--from-scratch", "--data", "synthetic",
+                      "--seq-len", "16", "--batch-size", "2", "--grad-accum", "2", "--max-steps", "7",
+                      "--precision", "bf16", "--eval-examples", "0", "--out", str(run_dir), "--no-progress"],
+                     timeout=600, env=child_env(OUT=str(tmp_path)))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record = json.loads((tmp_path / "bench7b-alt.json").read_text())
+    assert record["exit"] == 0
+    assert record["loss_by_forward"] == ["own", "own", "fused", "fused"] * 3 + ["own", "own"]
+    alternate = record["alternate"]  # the steps after the first 3: 4 and 6 fused, 5 and 7 own
+    assert alternate["own"]["steps"] == 2 and alternate["fused"]["steps"] == 2
+    assert len(alternate["fused_speed_over_own_per_pair"]) == 1 and alternate["fused_speed_over_own_per_pair"][0] > 0
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
+    assert len(rows) == 7 and all(r["loss"] == r["loss"] for r in rows)  # finite, not nan
