@@ -145,12 +145,34 @@ def _moment_components(st: _Setup, offload: bool, micro_batch: int) -> list[Comp
     loss_only = [buckets, *loss_extra] if fused else loss_extra
     loss = moments["loss"] * micro_batch + sum(c.bytes for c in loss_only)
     layers = moments["layers"] * micro_batch + sum(c.bytes for c in layer_only)
+    last = _embedding_moment(st) if lean else []
+    if last and sum(c.bytes for c in last) + st.bucket * st.w * nbuf > max(loss, layers):
+        return [buckets, *last]
     if layers >= loss:
         return [Component("activations", "activations", moments["layers"] * micro_batch,
                           f"{micro_batch} x {moments['layers'] / 2**20:.1f} MiB, at a recomputed layer's backward"),
                 *layer_only]
     return [Component("activations", "activations", moments["loss"] * micro_batch,
                       f"{micro_batch} x {moments['loss'] / 2**20:.1f} MiB, at the loss's backward"), *loss_only]
+
+
+def _embedding_moment(st: _Setup) -> list[Component]:
+    """What is alive at the last parameter over reduce_bucket_size's gradient hook (the input embedding's, at the
+    backward's end), where the layers' activations are gone: its autograd gradient and DeepSpeed's clone of it
+    (with offload, line 1446), and, on the micro-batches before the boundary, an untied LM head's gradient held
+    since the loss. At the boundary the copy to the host takes the gradient's norm instead (_norm_chunks).
+    Measured with torch's memory history: Qwen3-8B at 2 x 3 peaks there, at the same GiB as at 2 x 24
+    (bench/results/2026-12-03-gpu/call1/)."""
+    over = sorted((n for n in st.shape.param_numels if n > st.bucket), reverse=True)
+    if not over:
+        return []
+    w, last = st.w, over[0]
+    boundary = 2 * w * last + _norm_chunks(st)
+    held = over[1] if len(over) > 1 and st.accumulation > 1 and not st.shape.tied_embeddings else 0
+    before = w * (held + 2 * last + min(last, layout.CHUNK_ELEMENTS)) if st.accumulation > 1 else 0
+    return [Component("embedding gradient", "gradients", max(boundary, before),
+                      "at the embedding's backward: its autograd grad and DeepSpeed's clone for the host"
+                      + (", and the LM head's, held to the backward's end (accumulating)" if held else ""))]
 
 
 def _lean_staging(st: _Setup) -> Component:
