@@ -197,7 +197,7 @@ def _hub_offline() -> bool:
 
 
 # hub checkpoints whose architecture a shipped config is, beyond those named like one (t5-3b, google-t5/t5-3b)
-_SHIPPED_AS = {"meta-llama/Llama-2-7b-hf": "llama-7b"}
+_SHIPPED_AS = {"meta-llama/Llama-2-7b-hf": "llama-7b", "meta-llama/Llama-2-13b-hf": "llama-2-13b"}
 
 
 def shipped_twin(name: str) -> str | None:

@@ -49,7 +49,8 @@ def test_shipped_architectures():
 
 
 @pytest.mark.parametrize("name,task,billions", [("t5-3b", SEQ2SEQ, 2.85), ("gpt2-xl", CAUSAL, 1.56),
-                                                ("llama-7b", CAUSAL, 6.74), ("t5-11b", SEQ2SEQ, 11.3)])
+                                                ("llama-7b", CAUSAL, 6.74), ("t5-11b", SEQ2SEQ, 11.3),
+                                                ("llama-2-13b", CAUSAL, 13.02)])
 def test_meta_build_counts_published_parameters(name, task, billions):
     config = load_config(name, from_scratch=True)
     assert task_of(config) == task

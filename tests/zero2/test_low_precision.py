@@ -296,6 +296,54 @@ def test_the_fused_steps_bits_do_not_depend_on_slicing_or_thread_count(compensat
     assert all(torch.equal(a, b) for other in runs[1:] for a, b in zip(runs[0], other))
 
 
+# sizes: under one vector, around 8 and 16 lanes, one block (FUSED_BLOCK) and a lane or an element either side of
+# one, and several blocks with a tail
+ODD_SIZES = [1, 7, 8, 9, 15, 17, 4095, 4096, 4097, 3 * 4096 + 13, 100_003]
+
+
+def _gradient_in_each_dtype(n: int, seed: int) -> dict[torch.dtype, torch.Tensor]:
+    """One gradient as fp16, bf16 and fp32, of values all three hold exactly (bf16's 8 significant bits within
+    fp16's normal range, zeros of either sign)."""
+    g = torch.Generator().manual_seed(seed)
+    wide = (torch.randn(n, generator=g) * 1e-2).bfloat16().float()
+    wide = torch.where(wide.abs() < 2.0**-14, torch.copysign(torch.zeros(n), wide), wide)
+    wide[:2] = torch.tensor([-0.0, 2.0**-14])[:n]  # -0 and fp16's smallest normal
+    assert torch.equal(wide.half().float(), wide) and torch.equal(wide.bfloat16().float(), wide)
+    return {dtype: wide.to(dtype) for dtype in (torch.float16, torch.bfloat16, torch.float32)}
+
+
+def _fused_patterns(n: int, grad: torch.Tensor, rounding: str, extra: dict) -> list[torch.Tensor]:
+    """One fused step from `grad` on the states of seed n: the bf16 patterns it leaves (compensation last)."""
+    from fitone.zero2.low_precision import fused_adamw_16bit
+
+    master, exp_avg, exp_avg_sq, _ = _states(n, seed=n)
+    compensation = _compensation(master, seed=n) if rounding == KAHAN else None
+    hyper = {**HYPER, **extra}
+    fused_adamw_16bit(master, exp_avg, exp_avg_sq, grad, step=4, rounding=NEAREST if rounding == KAHAN else rounding,
+                      bits=RandomBits(3), group=2, offset=n * 31, compensation=compensation, **hyper)
+    return [t.view(torch.int16) for t in (master, exp_avg, exp_avg_sq, compensation) if t is not None]
+
+
+@pytest.mark.numeric
+@pytest.mark.parametrize("rounding", [NEAREST, STOCHASTIC, KAHAN])
+@pytest.mark.parametrize("extra", [dict(), dict(grad_scale=3.0), dict(weight_decay=0.0),
+                                   dict(adam_w_mode=False, grad_scale=1024.0)])
+def test_the_fused_step_from_fp16_is_its_step_from_bf16_and_fp32_bit_for_bit(rounding, extra):
+    """The fp16 gradient is widened a block at a time (F16C where the CPU has it, element by element where not)
+    before the loop the fp32 gradient runs: the same values, so the same bits at every size and tail, and as from
+    bf16 where bf16 holds the same values. Every fp16 pattern (subnormals, infinities, NaNs) against fp32 too."""
+    for n in ODD_SIZES:
+        grads = _gradient_in_each_dtype(n, seed=n + 1)
+        want = _fused_patterns(n, grads[torch.float32], rounding, extra)
+        for dtype in (torch.float16, torch.bfloat16):
+            got = _fused_patterns(n, grads[dtype], rounding, extra)
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), (n, dtype)
+    every = torch.arange(-2**15, 2**15 + 3, dtype=torch.int32).to(torch.int16).view(torch.float16)  # a tail of 3
+    every = every[torch.randperm(every.numel(), generator=torch.Generator().manual_seed(0))]
+    got, want = (_fused_patterns(every.numel(), grad, rounding, extra) for grad in (every, every.float()))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_the_fused_step_keeps_small_updates_stochastically_and_infinities_as_they_are():
     """The reference's behaviour where it matters most: lr far below bf16's spacing moves weights only under
     stochastic rounding, by the expected amount; an infinite or NaN gradient stays so."""
