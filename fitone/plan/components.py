@@ -145,9 +145,9 @@ def _moment_components(st: _Setup, offload: bool, micro_batch: int) -> list[Comp
     loss_only = [buckets, *loss_extra] if fused else loss_extra
     loss = moments["loss"] * micro_batch + sum(c.bytes for c in loss_only)
     layers = moments["layers"] * micro_batch + sum(c.bytes for c in layer_only)
-    last = _embedding_moment(st) if lean else []
-    if last and sum(c.bytes for c in last) + st.bucket * st.w * nbuf > max(loss, layers):
-        return [buckets, *last]
+    last = [buckets, *_embedding_moment(st)] if lean else []
+    if len(last) > 1 and sum(c.bytes for c in last) > max(loss, layers):
+        return last
     if layers >= loss:
         return [Component("activations", "activations", moments["layers"] * micro_batch,
                           f"{micro_batch} x {moments['layers'] / 2**20:.1f} MiB, at a recomputed layer's backward"),
