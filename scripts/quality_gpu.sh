@@ -16,6 +16,10 @@
 # reference then needs ~600 s for 300 steps, more than that limit; hence two runs by default. Two at once:
 # 1.43 and 1.11 s a step, and the reference needs ~560 s with its start, save and held-out score (on a
 # fresh machine add ~90 s for the CPU Adam build): give it LIMIT=560 on a warm machine, or run it alone.
+# Issue 31's check of the optimizer's host state: RUNS="exact bf16" PRECISION=bf16 (the 16-bit states need bf16
+# training), exact = --optimizer-states fp32, bf16 = stochastic rounding (also bf16-nearest, bf16-kahan). A
+# causal LM takes the sample task as prompt + completion: DATA="--data fitone/sample_data/numbers-train.jsonl
+# --eval-data fitone/sample_data/numbers-eval.jsonl --prompt-field source --text-field target --seq-len 64".
 # Dry run of the mechanics on a CPU: MODEL=t5-tiny PRECISION=fp32 EXTRA="--device cpu" scripts/quality_gpu.sh /tmp/q 40
 set -uo pipefail
 out=${1:?usage: quality_gpu.sh OUT_DIR [STEPS]}
@@ -24,11 +28,14 @@ model=${MODEL:-t5-large}
 precision=${PRECISION:-fp16}
 extra=${EXTRA:---max-gpu-memory 23GiB}
 limit=${LIMIT:-560}
+data=${DATA:---data sample --src-len 8 --tgt-len 48}
 runs=(${RUNS:-deepspeed pipelined})  # the first is the reference; fewer runs get more cores each
 mkdir -p "$out"
 threads=$(( $(nproc) / ${#runs[@]} > 0 ? $(nproc) / ${#runs[@]} : 1 ))
-common="--model $model --from-scratch --data sample --src-len 8 --tgt-len 48 --batch-size 32 --lr 3e-4 --lr-schedule linear --warmup-steps 30 --max-steps $steps --precision $precision $extra --eval-examples 200 --log-every 1 --no-progress --seed 0"
-declare -A flags=([deepspeed]="--no-pipelined-update" [pipelined]="--pipelined-update" [delayed]="--delayed-update")
+common="--model $model --from-scratch $data --batch-size 32 --lr 3e-4 --lr-schedule linear --warmup-steps 30 --max-steps $steps --precision $precision $extra --eval-examples 200 --log-every 1 --no-progress --seed 0"
+declare -A flags=([deepspeed]="--no-pipelined-update" [pipelined]="--pipelined-update" [delayed]="--delayed-update"
+                   [exact]="--optimizer-states fp32" [bf16]="--optimizer-states bf16"
+                   [bf16-nearest]="--optimizer-states bf16-nearest" [bf16-kahan]="--optimizer-states bf16-kahan")
 for run in "${runs[@]}"; do
   [[ -v flags[$run] ]] || { echo "quality_gpu.sh: unknown run '$run' in RUNS: choose from ${!flags[*]}" >&2; exit 2; }
 done
