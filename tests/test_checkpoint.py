@@ -323,7 +323,7 @@ def test_an_untested_transformers_gets_save_pretrained_and_one_warning_line(tmp_
     from fitone.models import build_model, load_config
 
     assert hf_export.untested_transformers() is None  # the installed one is tested
-    assert [hf_export.untested_transformers(v) is None for v in ("5.17.0", "5.24.1", "5.16.2", "5.25.0.dev0",
+    assert [hf_export.untested_transformers(v) is None for v in ("5.17.0", "5.25.1", "5.16.2", "5.26.0.dev0",
                                                                   "6.0.0", "weird")] == [True, True] + [False] * 4
     model = build_model(load_config("gpt2-tiny", from_scratch=True))
     streamed: list[str] = []
@@ -339,7 +339,7 @@ def test_an_untested_transformers_gets_save_pretrained_and_one_warning_line(tmp_
     assert len(said) == 1, said
     assert streamed == ["stream"]  # save_pretrained wrote it
     assert said[0].startswith("warning: ") and "transformers 5.30.0 is installed" in said[0]
-    assert "pip install 'transformers>=5.17,<5.25'" in said[0] and "\n" not in said[0]
+    assert "pip install 'transformers>=5.17,<5.26'" in said[0] and "\n" not in said[0]
     loaded = AutoModelForCausalLM.from_pretrained(final).state_dict()
     assert all(torch.equal(loaded[name], tensor) for name, tensor in model.state_dict().items())
 
