@@ -22,7 +22,6 @@ from fitone.models import (CAUSAL, SEQ2SEQ, build_model, load_config, load_model
 from fitone.plan import plan
 from fitone.random_init import build_random_model
 
-NO_BOS = {"qwen2", "qwen3", "gpt_neox", "qwen2_moe", "olmoe", "falcon"}  # Qwen / GPT-NeoX style tokenizers
 PLAN = dict(gpu_mem="24GiB", host_mem="64GiB")
 RUN = ["--device", "cpu", "--precision", "fp32", "--eval-examples", "0", "--no-progress"]
 TRAIN = ["--seq-len", "16", "--batch-size", "2", "--max-steps", "2", *RUN]
@@ -31,7 +30,7 @@ TRAIN = ["--seq-len", "16", "--batch-size", "2", "--max-steps", "2", *RUN]
 @pytest.fixture(scope="module")
 def user_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("user-models")
-    return {arch: user_models.model_dir(arch, root / arch, bos=arch not in NO_BOS and arch not in user_models.SEQ2SEQ)
+    return {arch: user_models.model_dir(arch, root / arch, bos=user_models.family_bos(arch))
             for arch in user_models.ARCHITECTURES}
 
 

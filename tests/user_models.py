@@ -43,6 +43,12 @@ SEQ2SEQ: dict[str, dict[str, Any]] = {
                  max_position_embeddings=256),
 }
 ARCHITECTURES = [*CAUSAL, *SEQ2SEQ]
+NO_BOS = {"qwen2", "qwen3", "gpt_neox", "qwen2_moe", "olmoe", "falcon"}  # Qwen / GPT-NeoX style tokenizers
+
+
+def family_bos(arch: str) -> bool:
+    """Whether `arch`'s own family's tokenizer adds a BOS token (seq2seq ones add none)."""
+    return arch not in NO_BOS and arch not in SEQ2SEQ
 
 _CORPUS = ["the quick brown fox jumps over the lazy dog", "three thousand six hundred thirty-one",
            "a user's own model trains correctly or is refused", "hello world, hello tokenizer",
