@@ -98,15 +98,19 @@ def _streams(model: PreTrainedModel) -> bool:
         return False
     probe = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in model.state_dict().items()}
     try:
-        return revert_weight_conversion(model, probe) is probe  # its quick exit: no conversion for this model
+        reverted = revert_weight_conversion(model, probe)
     except Exception:  # a conversion that cannot run on meta tensors is a conversion all the same
         return False
+    # nothing renamed or reshaped: a from_pretrained model with no conversions gets an empty list, which skips the
+    # quick exit (`is probe`) yet hands back every tensor as it is under its own name
+    return reverted.keys() == probe.keys() and all(reverted[name] is t for name, t in probe.items())
 
 
 def _write_weights(model: PreTrainedModel, out: Path, shard_size: int | str) -> None:
     """The model's safetensors files (and index when sharded) as save_pretrained writes them, holding at most
     one shard on the host and cloning nothing on the weights' device."""
     from huggingface_hub import split_torch_state_dict_into_shards
+    from transformers.core_model_loading import revert_weight_conversion
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
     from transformers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFE_WEIGHTS_NAME
 
@@ -123,6 +127,9 @@ def _write_weights(model: PreTrainedModel, out: Path, shard_size: int | str) -> 
     kept = remove_tied_weights_from_state_dict(proxies, model).keys()
     # sizes without storages: meta tensors shaped like the kept weights
     meta = {name: torch.empty(state[name].shape, dtype=state[name].dtype, device="meta") for name in kept}
+    # save_pretrained reverts the load-time conversions next: `_streams` found they rename and reshape nothing, but
+    # for a from_pretrained model the revert still sorts the names, and the shards follow that order
+    meta = revert_weight_conversion(model, meta)
     split = split_torch_state_dict_into_shards(meta, filename_pattern=SAFE_WEIGHTS_NAME.replace(
         ".safetensors", "{suffix}.safetensors"), max_shard_size=shard_size)
     for filename, names in split.filename_to_tensors.items():

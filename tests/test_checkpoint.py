@@ -19,6 +19,7 @@ from fitone.metrics import MetricsLog, read_metrics
 
 from conftest import cpu_config
 from conftest import CLI_RUN, child_env, run_main
+import user_models
 
 # SIGKILL arrives while DeepSpeed is writing the optimizer file of the second checkpoint: half of
 # that file is on disk, the rest never comes. Patched in a child process only; fitone has no hook.
@@ -266,8 +267,6 @@ def test_the_export_writes_what_save_pretrained_writes(tmp_path, model, precisio
     """Same files, same tensors under the same names in the same shards, same config and index as save_pretrained
     given one host copy per distinct tensor (the export before it streamed; given ZeRO-2's views themselves,
     save_pretrained counts a tied weight's size as its whole flat buffer's in the index's total_size)."""
-    import torch
-    from safetensors import safe_open
     from transformers import ByT5Tokenizer
 
     from conftest import tiny_engine
@@ -281,7 +280,17 @@ def test_the_export_writes_what_save_pretrained_writes(tmp_path, model, precisio
                                       max_shard_size=SMALL_SHARD)
     finally:
         engine.close()
-    theirs = tmp_path / "theirs"
+    _assert_same_files(final, tmp_path / "theirs")
+    config = json.loads((final / "config.json").read_text())
+    assert config["dtype"] == {"fp32": "float32", "bf16": "bfloat16"}[precision] and config["architectures"]
+
+
+def _assert_same_files(final: Path, theirs: Path) -> None:
+    """final/ holds, beside the tokenizer's files, the files of `theirs` (a save_pretrained dir): the same
+    JSON, and the same tensors under the same names, metadata and shards."""
+    import torch
+    from safetensors import safe_open
+
     ours = sorted(p.name for p in final.iterdir() if not p.name.startswith(("tokenizer", "added_tokens", "special")))
     assert ours == sorted(p.name for p in theirs.iterdir())
     for name in ours:
@@ -292,8 +301,31 @@ def test_the_export_writes_what_save_pretrained_writes(tmp_path, model, precisio
             assert a.metadata() == b.metadata() and sorted(a.keys()) == sorted(b.keys()), name
             for key in a.keys():
                 assert torch.equal(a.get_tensor(key), b.get_tensor(key)), key
-    config = json.loads((final / "config.json").read_text())
-    assert config["dtype"] == {"fp32": "float32", "bf16": "bfloat16"}[precision] and config["architectures"]
+
+
+# the user architectures whose weights transformers renames or fuses on load (and reverts on save): save_pretrained
+# exports them; every other one streams
+CONVERTED_ON_LOAD = {"gpt_neox", "mixtral", "qwen2_moe", "olmoe"}
+
+
+@pytest.mark.parametrize("arch", user_models.ARCHITECTURES)
+def test_a_users_model_dir_exports_what_save_pretrained_writes(tmp_path, monkeypatch, arch):
+    """Each architecture of a user's own directory (tests/user_models.py, its own tokenizer; BOS-adding or not
+    as the family's), loaded as fitone loads it (from_pretrained): final/ holds save_pretrained's files, streamed
+    one shard at a time unless transformers converts the model's weights on load."""
+    from fitone.models import load_model
+
+    path = user_models.model_dir(arch, tmp_path / "user", bos=user_models.family_bos(arch))
+    loaded = load_model(str(path), from_scratch=False)
+    model = loaded.model
+    streamed: list[str] = []
+    real_write = hf_export._write_weights
+    monkeypatch.setattr(hf_export, "_write_weights", lambda *a: streamed.append("stream") or real_write(*a))
+    final = hf_export.export(model, loaded.tokenizer, tmp_path / "ours", shard_size=SMALL_SHARD)
+    assert streamed == ([] if arch in CONVERTED_ON_LOAD else ["stream"])
+    model.save_pretrained(tmp_path / "theirs", state_dict=hf_export.host_state_dict(model),
+                          max_shard_size=SMALL_SHARD)
+    _assert_same_files(final, tmp_path / "theirs")
 
 
 def test_a_model_whose_weights_are_renamed_on_save_is_exported_by_save_pretrained(tmp_path):
