@@ -3,21 +3,27 @@
 Issue 31, bar 3's CPU part. The quick start (`fitone train --recipe t5-tiny/cpu`: t5-tiny from scratch on the
 shipped numbers-to-words sample, 1200 steps, 200 held-out examples scored at the end) trained in bf16, since the
 16-bit states need bf16 training, with everything else the recipe's:
-  exact   precision=bf16 optimizer_states=fp32 (the quick start's own step), --seeds seeds
-  bf16    precision=bf16 optimizer_states=bf16 (stochastic rounding, its bits keyed by the seed), the same seeds
-  fp32    the shipped quick start (precision fp32) at seed 0, a reference row only (--fp32-reference)
-The verdict per score: the two groups' means differ by less than the exact runs' seed-to-seed standard deviation.
+  exact         precision=bf16 optimizer_states=fp32 (the quick start's own step), --seeds seeds
+  bf16          precision=bf16 optimizer_states=bf16 (stochastic rounding, its bits keyed by the seed), the same seeds
+  bf16-kahan    optimizer_states=bf16-kahan (nearest, with a compensation buffer), and bf16-nearest: in --groups
+  fp32          the shipped quick start (precision fp32) at seed 0, a reference row only (--fp32-reference)
+--exact-from takes the exact group's runs from an earlier result.json instead of running them again.
+The verdict per 16-bit group and score: its mean and the exact runs' differ by less than the exact runs'
+seed-to-seed standard deviation.
 (Requiring every bf16 run inside the exact runs' [min, max] is no test: a run from the same distribution lands
 inside n runs' range with probability (n - 1) / (n + 1), 50% at n = 3.) Each run in this process, one after
 another, through fitone's Python API. Writes result.json (after every run) and scores.png into --out, and prints
 a markdown table.
 
     python scripts/quality_quickstart_states.py --seeds 5 --out bench/results/2026-12-04-cpu-quickstart-states
+    python scripts/quality_quickstart_states.py --seeds 5 --groups bf16-kahan \
+        --exact-from bench/results/2026-12-04-cpu-quickstart-states/result.json --out ...
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -30,10 +36,12 @@ import _harness
 RECIPE = "t5-tiny/cpu"
 
 
-def planned_runs(seeds: int, fp32_reference: bool) -> list[tuple[str, dict[str, Any]]]:
-    """(group, overrides on the recipe); the exact group is the spread the bf16 group is judged against."""
-    return ([("exact", dict(precision="bf16", optimizer_states="fp32", seed=s)) for s in range(seeds)]
-            + [("bf16", dict(precision="bf16", optimizer_states="bf16", seed=s)) for s in range(seeds)]
+GROUPS = {"exact": "fp32", "bf16": "bf16", "bf16-kahan": "bf16-kahan", "bf16-nearest": "bf16-nearest"}
+
+
+def planned_runs(groups: list[str], seeds: int, fp32_reference: bool) -> list[tuple[str, dict[str, Any]]]:
+    """(group, overrides on the recipe); the exact group is the spread the 16-bit groups are judged against."""
+    return ([(g, dict(precision="bf16", optimizer_states=GROUPS[g], seed=s)) for g in groups for s in range(seeds)]
             + ([("fp32 (shipped)", dict(seed=0))] if fp32_reference else []))
 
 SCORES = ("eval_loss", "token_accuracy", "exact_match")
@@ -83,21 +91,25 @@ def spread(runs: list[dict[str, Any]], score: str) -> dict[str, float] | None:
 
 
 def verdict(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per score: each group's mean and seed-to-seed deviation, the gap of the means against the exact runs'
-    deviation (the verdict), and, for information, which bf16 runs lie inside the exact runs' [min, max]."""
+    """Per 16-bit group and score: each group's mean and seed-to-seed deviation, the gap of the means against
+    the exact runs' deviation (the verdict), and, for information, which of its runs lie inside the exact runs'
+    [min, max]."""
     exact = [r for r in runs if r["group"] == "exact" and "quality" in r]
-    bf16 = [r for r in runs if r["group"] == "bf16" and "quality" in r]
     out: dict[str, Any] = {}
-    for score in SCORES:
-        band = spread(exact, score)
-        if band is None:
+    for group in [g for g in GROUPS if g != "exact"]:
+        mine = [r for r in runs if r["group"] == group and "quality" in r]
+        if not mine:
             continue
-        inside = {str(r["overrides"]["seed"]): band["min"] <= r["quality"][score] <= band["max"] for r in bf16}
-        other = spread(bf16, score)
-        gap = other["mean"] - band["mean"] if other else None
-        within = None if gap is None or band["sd"] is None else abs(gap) < band["sd"]
-        out[score] = {"exact": band, "bf16": other, "gap_of_means": gap, "within_spread": within,
-                      "bf16_inside": inside, "judged": score in JUDGED}
+        out[group] = {}
+        for score in SCORES:
+            band, other = spread(exact, score), spread(mine, score)
+            if band is None or other is None:
+                continue
+            inside = {str(r["overrides"]["seed"]): band["min"] <= r["quality"][score] <= band["max"] for r in mine}
+            gap = other["mean"] - band["mean"]
+            within = None if band["sd"] is None else abs(gap) < band["sd"]
+            out[group][score] = {"exact": band, group: other, "gap_of_means": gap, "within_spread": within,
+                                 "inside_exact_range": inside, "judged": score in JUDGED}
     return out
 
 
@@ -113,16 +125,16 @@ def table(runs: list[dict[str, Any]], judged: dict[str, Any]) -> str:
         q = r["quality"]
         lines.append(head + f"| {r['update']} | {r['final_loss']:.4f} | {q['eval_loss']:.4f} "
                      f"| {q['token_accuracy']:.4f} | {q.get('exact_match', 0):.3f} | {r['seconds'] / 60:.1f} min |")
-    lines += ["", "| score | exact: mean ± sd [min, max] | bf16: mean ± sd [min, max] | gap of means | "
-              "within the exact runs' sd | bf16 seeds inside the exact range |", "|---|---|---|---|---|---|"]
-    for score, v in judged.items():
-        cells = [f"{b['mean']:.4f} ± {b['sd'] or 0:.4f} [{b['min']:.4f}, {b['max']:.4f}]" if b else "-"
-                 for b in (v["exact"], v["bf16"])]
-        inside = ", ".join(f"{s}: {'yes' if ok else 'no'}" for s, ok in v["bf16_inside"].items())
-        gap = "-" if v["gap_of_means"] is None else f"{v['gap_of_means']:+.4f}"
-        within = {True: "yes", False: "no", None: "-"}[v["within_spread"]]
-        lines.append(f"| {score}{'' if v['judged'] else ' (not judged)'} | {cells[0]} | {cells[1]} | {gap} "
-                     f"| {within} | {inside} |")
+    lines += ["", "| states | score | exact: mean ± sd [min, max] | 16-bit: mean ± sd [min, max] | gap of means | "
+              "within the exact runs' sd | seeds inside the exact range |", "|---|---|---|---|---|---|---|"]
+    for group, scores in judged.items():
+        for score, v in scores.items():
+            cells = [f"{b['mean']:.4f} ± {b['sd'] or 0:.4f} [{b['min']:.4f}, {b['max']:.4f}]"
+                     for b in (v["exact"], v[group])]
+            inside = ", ".join(f"{s}: {'yes' if ok else 'no'}" for s, ok in v["inside_exact_range"].items())
+            within = {True: "yes", False: "no", None: "-"}[v["within_spread"]]
+            lines.append(f"| {group} | {score}{'' if v['judged'] else ' (not judged)'} | {cells[0]} | {cells[1]} "
+                         f"| {v['gap_of_means']:+.4f} | {within} | {inside} |")
     return "\n".join(lines)
 
 
@@ -130,7 +142,8 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
     from fitone import render
 
     fig, (curves, points) = render.figure(width=12, height=4.5, cols=2)
-    colours = {"exact": "tab:blue", "bf16": "tab:orange", "fp32 (shipped)": "tab:gray"}
+    colours = {"exact": "tab:blue", "bf16": "tab:orange", "bf16-kahan": "tab:green", "bf16-nearest": "tab:red",
+               "fp32 (shipped)": "tab:gray"}
     styles = {0: "-", 1: "--", 2: ":", 3: "-.", 4: (0, (1, 4))}
     done = [r for r in runs if "quality" in r]
     for r in done:
@@ -143,7 +156,7 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
     curves.set_ylabel("training loss (logged steps)")
     curves.set_title(f"{RECIPE}, bf16 training unless marked")
     curves.legend(fontsize=8)
-    groups = list(colours)
+    groups = [g for g in colours if any(r["group"] == g for r in done)]
     for r in done:
         x = groups.index(r["group"]) + 0.06 * (r["overrides"]["seed"] - 2)  # seeds side by side, not stacked
         points.scatter([x], [r["quality"]["token_accuracy"]], color=colours[r["group"]], zorder=3)
@@ -165,17 +178,26 @@ def main() -> None:
     parser.add_argument("--out", required=True, help="folder for result.json and scores.png")
     parser.add_argument("--seeds", type=int, default=5, help="runs per group, at seeds 0..N-1 (default 5)")
     parser.add_argument("--fp32-reference", action="store_true", help="add the shipped fp32 quick start at seed 0")
+    parser.add_argument("--groups", default="exact,bf16", help=f"comma-separated, of {', '.join(GROUPS)}")
+    parser.add_argument("--exact-from", type=Path, help="an earlier result.json whose exact runs to reuse")
     args = parser.parse_args()
-    if args.seeds < 2:
-        parser.error("--seeds must be at least 2: the verdict needs the exact runs' spread")
+    groups = args.groups.split(",")
+    if args.seeds < 2 or any(g not in GROUPS for g in groups):
+        parser.error(f"--seeds must be at least 2 and --groups of {', '.join(GROUPS)}")
+    reused = []
+    if args.exact_from:
+        earlier = json.loads(args.exact_from.read_text())
+        reused = [dict(r, reused_from=str(args.exact_from)) for r in earlier["runs"]
+                  if r["group"] == "exact" and "quality" in r]
+        groups = [g for g in groups if g != "exact"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     record: dict[str, Any] = {
         "command": _harness.command("scripts/quality_quickstart_states.py", sys.argv[1:]),
         "machine": _harness.machine(), "recipe": RECIPE,
-        "host_bytes_per_param": {s: host_bytes_per_param(s) for s in ("fp32", "bf16")}, "runs": [],
+        "host_bytes_per_param": {s: host_bytes_per_param(s) for s in GROUPS.values()}, "runs": reused,
     }
-    for group, overrides in planned_runs(args.seeds, args.fp32_reference):
+    for group, overrides in planned_runs(groups, args.seeds, args.fp32_reference):
         run = one_run(group, overrides)
         record["runs"].append(run)
         record["verdict"] = verdict(record["runs"])
