@@ -117,10 +117,11 @@ def step_mode_notes(run: Run) -> list[str]:
     cfg, notes = run.settings, []
     if run.mode.states != "fp32":
         rounded = {"bf16": "stochastically", "bf16-kahan": "to the nearest, what that loses kept in a bf16 "
-                   "compensation buffer (2 B/param more)"}.get(run.mode.states, "to the nearest")
+                   "compensation buffer"}.get(run.mode.states, "to the nearest")
+        per_param = 10 if run.mode.states == "bf16-kahan" else 8  # the compensation buffer: 2 B/param more
         notes.append(f"optimizer states in bf16 (--optimizer-states {run.mode.states}): master weights and Adam's "
-                     f"moments, 8 B/param on the host, each step computed in fp32 and rounded {rounded}; the "
-                     "pipelined update runs it")
+                     f"moments, {per_param} B/param on the host, each step computed in fp32 and rounded {rounded}; "
+                     "the pipelined update runs it")
     elif run.mode.name == step_mode.PIPELINED and cfg.pipelined_update is None:
         notes.append("optimizer step: the pipelined update (CPU Adam and upload overlapped with the next forward; "
                      "the same arithmetic as DeepSpeed's step, ~1.4x faster); --no-pipelined-update for DeepSpeed's")

@@ -93,7 +93,10 @@ def test_a_kahan_run_says_what_it_keeps_in_one_line():
 
     notes = step_mode_notes(resolve_planned(cpu_config(precision="bf16", optimizer_states="bf16-kahan"), 1))
     assert len(notes) == 1 and "--optimizer-states bf16-kahan" in notes[0]
-    assert "rounded to the nearest, what that loses kept in a bf16 compensation buffer (2 B/param more)" in notes[0]
+    assert "10 B/param on the host" in notes[0]
+    assert "rounded to the nearest, what that loses kept in a bf16 compensation buffer" in notes[0]
+    plain = step_mode_notes(resolve_planned(cpu_config(precision="bf16", optimizer_states="bf16"), 1))
+    assert "8 B/param on the host" in plain[0] and "rounded stochastically" in plain[0]
 
 
 def test_chunked_bf16_states_are_the_same_bits_as_one_slice():
