@@ -95,8 +95,18 @@ def gpu_name(device: str = "cuda") -> str:
     return "unknown-gpu"
 
 
+def cpu_model() -> str | None:
+    """/proc/cpuinfo's model name and this process's core count (None where there is no /proc)."""
+    try:
+        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")]
+    except OSError:
+        return None
+    return f"{names[0]} x {len(os.sched_getaffinity(0))}" if names else None
+
+
 def machine(dry_run: bool = False) -> dict[str, Any]:
-    """Where a result folder's numbers come from: GPU, versions, commit, date."""
+    """Where a result folder's numbers come from: GPU, CPU, versions, commit, date."""
     from importlib.metadata import version
 
     import torch
@@ -108,6 +118,7 @@ def machine(dry_run: bool = False) -> dict[str, Any]:
         commit = None
     return {
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (CPU)",
+        "cpu": cpu_model(),  # a CPU run's rounding follows the instruction set its kernels pick
         "torch": torch.__version__,
         "transformers": version("transformers"),
         "deepspeed": version("deepspeed"),

@@ -36,12 +36,17 @@ import _harness
 RECIPE = "t5-tiny/cpu"
 
 
-GROUPS = {"exact": "fp32", "bf16": "bf16", "bf16-kahan": "bf16-kahan", "bf16-nearest": "bf16-nearest"}
+# group -> its overrides beyond bf16 training; "exact-pipelined" is the exact states through the pipelined update,
+# the step every 16-bit group takes (on a CPU the exact mode's default is DeepSpeed's)
+GROUPS: dict[str, dict[str, Any]] = {
+    "exact": dict(optimizer_states="fp32"), "exact-pipelined": dict(optimizer_states="fp32", pipelined_update=True),
+    "bf16": dict(optimizer_states="bf16"), "bf16-kahan": dict(optimizer_states="bf16-kahan"),
+    "bf16-nearest": dict(optimizer_states="bf16-nearest")}
 
 
 def planned_runs(groups: list[str], seeds: int, fp32_reference: bool) -> list[tuple[str, dict[str, Any]]]:
     """(group, overrides on the recipe); the exact group is the spread the 16-bit groups are judged against."""
-    return ([(g, dict(precision="bf16", optimizer_states=GROUPS[g], seed=s)) for g in groups for s in range(seeds)]
+    return ([(g, dict(precision="bf16", **GROUPS[g], seed=s)) for g in groups for s in range(seeds)]
             + ([("fp32 (shipped)", dict(seed=0))] if fp32_reference else []))
 
 SCORES = ("eval_loss", "token_accuracy", "exact_match")
@@ -90,13 +95,13 @@ def spread(runs: list[dict[str, Any]], score: str) -> dict[str, float] | None:
             "range": max(values) - min(values), "n": len(values)}
 
 
-def verdict(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per 16-bit group and score: each group's mean and seed-to-seed deviation, the gap of the means against
-    the exact runs' deviation (the verdict), and, for information, which of its runs lie inside the exact runs'
-    [min, max]."""
-    exact = [r for r in runs if r["group"] == "exact" and "quality" in r]
+def verdict(runs: list[dict[str, Any]], reference: str = "exact") -> dict[str, Any]:
+    """Per other group and score: each group's mean and seed-to-seed deviation, the gap of the means against
+    the reference group's deviation (the verdict), and, for information, which of its runs lie inside the
+    reference runs' [min, max]."""
+    exact = [r for r in runs if r["group"] == reference and "quality" in r]
     out: dict[str, Any] = {}
-    for group in [g for g in GROUPS if g != "exact"]:
+    for group in [g for g in GROUPS if g != reference]:
         mine = [r for r in runs if r["group"] == group and "quality" in r]
         if not mine:
             continue
@@ -108,7 +113,7 @@ def verdict(runs: list[dict[str, Any]]) -> dict[str, Any]:
             inside = {str(r["overrides"]["seed"]): band["min"] <= r["quality"][score] <= band["max"] for r in mine}
             gap = other["mean"] - band["mean"]
             within = None if band["sd"] is None else abs(gap) < band["sd"]
-            out[group][score] = {"exact": band, group: other, "gap_of_means": gap, "within_spread": within,
+            out[group][score] = {"reference": band, group: other, "gap_of_means": gap, "within_spread": within,
                                  "inside_exact_range": inside, "judged": score in JUDGED}
     return out
 
@@ -125,12 +130,12 @@ def table(runs: list[dict[str, Any]], judged: dict[str, Any]) -> str:
         q = r["quality"]
         lines.append(head + f"| {r['update']} | {r['final_loss']:.4f} | {q['eval_loss']:.4f} "
                      f"| {q['token_accuracy']:.4f} | {q.get('exact_match', 0):.3f} | {r['seconds'] / 60:.1f} min |")
-    lines += ["", "| states | score | exact: mean ± sd [min, max] | 16-bit: mean ± sd [min, max] | gap of means | "
-              "within the exact runs' sd | seeds inside the exact range |", "|---|---|---|---|---|---|---|"]
+    lines += ["", "| group | score | reference: mean ± sd [min, max] | group: mean ± sd [min, max] | gap of means | "
+              "within the reference runs' sd | seeds inside the reference range |", "|---|---|---|---|---|---|---|"]
     for group, scores in judged.items():
         for score, v in scores.items():
             cells = [f"{b['mean']:.4f} ± {b['sd'] or 0:.4f} [{b['min']:.4f}, {b['max']:.4f}]"
-                     for b in (v["exact"], v[group])]
+                     for b in (v["reference"], v[group])]
             inside = ", ".join(f"{s}: {'yes' if ok else 'no'}" for s, ok in v["inside_exact_range"].items())
             within = {True: "yes", False: "no", None: "-"}[v["within_spread"]]
             lines.append(f"| {group} | {score}{'' if v['judged'] else ' (not judged)'} | {cells[0]} | {cells[1]} "
@@ -138,11 +143,12 @@ def table(runs: list[dict[str, Any]], judged: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(runs: list[dict[str, Any]], path: Path) -> None:
+def plot(runs: list[dict[str, Any]], path: Path, reference: str = "exact") -> None:
     from fitone import render
 
     fig, (curves, points) = render.figure(width=12, height=4.5, cols=2)
-    colours = {"exact": "tab:blue", "bf16": "tab:orange", "bf16-kahan": "tab:green", "bf16-nearest": "tab:red",
+    colours = {"exact": "tab:blue", "exact-pipelined": "tab:purple", "bf16": "tab:orange", "bf16-kahan": "tab:green",
+               "bf16-nearest": "tab:red",
                "fp32 (shipped)": "tab:gray"}
     styles = {0: "-", 1: "--", 2: ":", 3: "-.", 4: (0, (1, 4))}
     done = [r for r in runs if "quality" in r]
@@ -162,9 +168,9 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
         points.scatter([x], [r["quality"]["token_accuracy"]], color=colours[r["group"]], zorder=3)
         points.annotate(f"s{r['overrides']['seed']}", (x, r["quality"]["token_accuracy"]), fontsize=7,
                         xytext=(4, 0), textcoords="offset points")
-    exact = spread([r for r in done if r["group"] == "exact"], "token_accuracy")
-    if exact:  # the band the bf16 points are judged against
-        points.axhspan(exact["min"], exact["max"], color=colours["exact"], alpha=0.15, label="exact runs' range")
+    band = spread([r for r in done if r["group"] == reference], "token_accuracy")
+    if band:  # the band the other groups' points are judged against
+        points.axhspan(band["min"], band["max"], color=colours[reference], alpha=0.15, label=f"{reference} runs' range")
         points.legend(fontsize=8)
     points.set_xticks(range(len(groups)), groups)
     points.set_xlim(-0.5, len(groups) - 0.5)
@@ -179,7 +185,9 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=5, help="runs per group, at seeds 0..N-1 (default 5)")
     parser.add_argument("--fp32-reference", action="store_true", help="add the shipped fp32 quick start at seed 0")
     parser.add_argument("--groups", default="exact,bf16", help=f"comma-separated, of {', '.join(GROUPS)}")
-    parser.add_argument("--exact-from", type=Path, help="an earlier result.json whose exact runs to reuse")
+    parser.add_argument("--reference", default="exact", choices=("exact", "exact-pipelined"),
+                        help="the group whose spread the others are judged against (default exact)")
+    parser.add_argument("--exact-from", type=Path, help="an earlier result.json whose reference runs to reuse")
     args = parser.parse_args()
     groups = args.groups.split(",")
     if args.seeds < 2 or any(g not in GROUPS for g in groups):
@@ -188,23 +196,24 @@ def main() -> None:
     if args.exact_from:
         earlier = json.loads(args.exact_from.read_text())
         reused = [dict(r, reused_from=str(args.exact_from)) for r in earlier["runs"]
-                  if r["group"] == "exact" and "quality" in r]
-        groups = [g for g in groups if g != "exact"]
+                  if r["group"] == args.reference and "quality" in r]
+        groups = [g for g in groups if g != args.reference]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     record: dict[str, Any] = {
         "command": _harness.command("scripts/quality_quickstart_states.py", sys.argv[1:]),
         "machine": _harness.machine(), "recipe": RECIPE,
-        "host_bytes_per_param": {s: host_bytes_per_param(s) for s in GROUPS.values()}, "runs": reused,
+        "host_bytes_per_param": {s: host_bytes_per_param(s) for s in {g["optimizer_states"] for g in GROUPS.values()}},
+        "reference": args.reference, "runs": reused,
     }
     for group, overrides in planned_runs(groups, args.seeds, args.fp32_reference):
         run = one_run(group, overrides)
         record["runs"].append(run)
-        record["verdict"] = verdict(record["runs"])
+        record["verdict"] = verdict(record["runs"], args.reference)
         _harness.write_json(out / "result.json", record)  # after every run: a kill keeps the finished ones
         print(group, overrides, run.get("final_loss"), run.get("quality", run.get("error")),
               f"{run['seconds']:.0f} s", flush=True)
-    plot(record["runs"], out / "scores.png")
+    plot(record["runs"], out / "scores.png", args.reference)
     print(table(record["runs"], record["verdict"]))
 
 
