@@ -1,0 +1,3 @@
+# The GPU lane on the tree of calls 1-3 (fitone/ and tests/ as at 39e6d0d, after the streamed export's fix for
+# from_pretrained models), liger-kernel on the path; with the carried tree's sums. Run as one command line.
+source bench/results/2026-12-03-gpu/prelude.sh; W=/tmp/o4; mkdir -p $W/lane; export PYTHONPATH=/tmp/liger:$PYTHONPATH; find fitone tests -type f \( -name "*.py" -o -name "*.cpp" -o -name "*.json" \) | LC_ALL=C sort | xargs sha256sum > $W/tree-sums.txt; FITONE_GPU_LANE_OUT=$W/lane timeout -s KILL 400 python3 -m pytest -m gpu -v --durations=0 -p no:cacheprovider tests/gpu > $W/lane/pytest.log 2>&1; echo "exit $?" >> $W/lane/pytest.log; tail -25 $W/lane/pytest.log; tar czf $OUT/call4.tgz -C $W .
