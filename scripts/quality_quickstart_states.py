@@ -18,6 +18,8 @@ a markdown table.
     python scripts/quality_quickstart_states.py --seeds 5 --out bench/results/2026-12-04-cpu-quickstart-states
     python scripts/quality_quickstart_states.py --seeds 5 --groups bf16-kahan \
         --exact-from bench/results/2026-12-04-cpu-quickstart-states/result.json --out ...
+    python scripts/quality_quickstart_states.py --seeds 10 \
+        --reuse bench/results/2026-12-04-cpu-quickstart-states/result.json --out ...   (runs seeds 5-9 only)
 """
 
 from __future__ import annotations
@@ -188,6 +190,9 @@ def main() -> None:
     parser.add_argument("--reference", default="exact", choices=("exact", "exact-pipelined"),
                         help="the group whose spread the others are judged against (default exact)")
     parser.add_argument("--exact-from", type=Path, help="an earlier result.json whose reference runs to reuse")
+    parser.add_argument("--reuse", type=Path, action="append", default=[],
+                        help="an earlier result.json (repeatable): its finished runs of a planned group and seed are "
+                             "kept instead of run again")
     args = parser.parse_args()
     groups = args.groups.split(",")
     if args.seeds < 2 or any(g not in GROUPS for g in groups):
@@ -198,6 +203,14 @@ def main() -> None:
         reused = [dict(r, reused_from=str(args.exact_from)) for r in earlier["runs"]
                   if r["group"] == args.reference and "quality" in r]
         groups = [g for g in groups if g != args.reference]
+    planned = planned_runs(groups, args.seeds, args.fp32_reference)
+    for path in args.reuse:
+        keys = {(g, o["seed"]) for g, o in planned}
+        kept = [dict(r, reused_from=str(path)) for r in json.loads(path.read_text())["runs"]
+                if "quality" in r and (r["group"], r["overrides"]["seed"]) in keys]
+        reused += kept
+        done = {(r["group"], r["overrides"]["seed"]) for r in kept}
+        planned = [(g, o) for g, o in planned if (g, o["seed"]) not in done]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     record: dict[str, Any] = {
@@ -206,13 +219,15 @@ def main() -> None:
         "host_bytes_per_param": {s: host_bytes_per_param(s) for s in {g["optimizer_states"] for g in GROUPS.values()}},
         "reference": args.reference, "runs": reused,
     }
-    for group, overrides in planned_runs(groups, args.seeds, args.fp32_reference):
+    for group, overrides in planned:
         run = one_run(group, overrides)
         record["runs"].append(run)
         record["verdict"] = verdict(record["runs"], args.reference)
         _harness.write_json(out / "result.json", record)  # after every run: a kill keeps the finished ones
         print(group, overrides, run.get("final_loss"), run.get("quality", run.get("error")),
               f"{run['seconds']:.0f} s", flush=True)
+    record["verdict"] = verdict(record["runs"], args.reference)
+    _harness.write_json(out / "result.json", record)
     plot(record["runs"], out / "scores.png", args.reference)
     print(table(record["runs"], record["verdict"]))
 
