@@ -152,13 +152,15 @@ def plot(runs: list[dict[str, Any]], path: Path, reference: str = "exact") -> No
     colours = {"exact": "tab:blue", "exact-pipelined": "tab:purple", "bf16": "tab:orange", "bf16-kahan": "tab:green",
                "bf16-nearest": "tab:red",
                "fp32 (shipped)": "tab:gray"}
-    styles = {0: "-", 1: "--", 2: ":", 3: "-.", 4: (0, (1, 4))}
     done = [r for r in runs if "quality" in r]
-    for r in done:
+    labelled: set[str] = set()
+    for r in done:  # one legend entry a group, with its runs' final losses
         steps, losses = zip(*r["loss_curve"])
-        seed = r["overrides"]["seed"]
-        curves.plot(steps, losses, color=colours[r["group"]], linestyle=styles.get(seed, "-"), linewidth=1,
-                    label=f"{r['group']} seed {seed}: {r['final_loss']:.3f}")
+        finals = [x["final_loss"] for x in done if x["group"] == r["group"]]
+        label = None if r["group"] in labelled else \
+            f"{r['group']}: {len(finals)} seeds, final {min(finals):.3f}-{max(finals):.3f}"
+        labelled.add(r["group"])
+        curves.plot(steps, losses, color=colours[r["group"]], linewidth=0.8, alpha=0.8, label=label)
     curves.set_yscale("log")
     curves.set_xlabel("optimizer step")
     curves.set_ylabel("training loss (logged steps)")
@@ -166,7 +168,8 @@ def plot(runs: list[dict[str, Any]], path: Path, reference: str = "exact") -> No
     curves.legend(fontsize=8)
     groups = [g for g in colours if any(r["group"] == g for r in done)]
     for r in done:
-        x = groups.index(r["group"]) + 0.06 * (r["overrides"]["seed"] - 2)  # seeds side by side, not stacked
+        seeds = max(x["overrides"]["seed"] for x in done) + 1  # side by side, not stacked, within +-0.3
+        x = groups.index(r["group"]) + 0.6 * (r["overrides"]["seed"] / max(seeds - 1, 1) - 0.5)
         points.scatter([x], [r["quality"]["token_accuracy"]], color=colours[r["group"]], zorder=3)
         points.annotate(f"s{r['overrides']['seed']}", (x, r["quality"]["token_accuracy"]), fontsize=7,
                         xytext=(4, 0), textcoords="offset points")
