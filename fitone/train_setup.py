@@ -24,7 +24,7 @@ from fitone.packing import require_exact_packing
 from fitone.plan import model_shape
 from fitone.rundir import check_checkpoint_room, setup_run_dir
 from fitone.run import Run
-from fitone.zero2 import step_mode
+from fitone.zero2 import low_precision, step_mode
 
 Say = Callable[[str], None]
 
@@ -118,7 +118,7 @@ def step_mode_notes(run: Run) -> list[str]:
     if run.mode.states != "fp32":
         rounded = {"bf16": "stochastically", "bf16-kahan": "to the nearest, what that loses kept in a bf16 "
                    "compensation buffer"}.get(run.mode.states, "to the nearest")
-        per_param = 10 if run.mode.states == "bf16-kahan" else 8  # the compensation buffer: 2 B/param more
+        per_param = 8 + (2 if run.mode.states in low_precision.COMPENSATED else 0)  # + the compensation buffer
         notes.append(f"optimizer states in bf16 (--optimizer-states {run.mode.states}): master weights and Adam's "
                      f"moments, {per_param} B/param on the host, each step computed in fp32 and rounded {rounded}; "
                      "the pipelined update runs it")
