@@ -31,7 +31,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import _harness
 
@@ -101,7 +101,7 @@ def verdict(runs: list[dict[str, Any]], reference: str = "exact") -> dict[str, A
     """Per other group and score: each group's mean and seed-to-seed deviation, the gap of the means against
     the reference group's deviation (the verdict), and, for information, which of its runs lie inside the
     reference runs' [min, max]."""
-    exact = [r for r in runs if r["group"] == reference and "quality" in r]
+    ref = [r for r in runs if r["group"] == reference and "quality" in r]
     out: dict[str, Any] = {}
     for group in [g for g in GROUPS if g != reference]:
         mine = [r for r in runs if r["group"] == group and "quality" in r]
@@ -109,7 +109,7 @@ def verdict(runs: list[dict[str, Any]], reference: str = "exact") -> dict[str, A
             continue
         out[group] = {}
         for score in SCORES:
-            band, other = spread(exact, score), spread(mine, score)
+            band, other = spread(ref, score), spread(mine, score)
             if band is None or other is None:
                 continue
             inside = {str(r["overrides"]["seed"]): band["min"] <= r["quality"][score] <= band["max"] for r in mine}
@@ -153,12 +153,15 @@ def plot(runs: list[dict[str, Any]], path: Path, reference: str = "exact") -> No
                "bf16-nearest": "tab:red",
                "fp32 (shipped)": "tab:gray"}
     done = [r for r in runs if "quality" in r]
+    finals: dict[str, list[float]] = {}
+    for r in done:
+        finals.setdefault(r["group"], []).append(r["final_loss"])
     labelled: set[str] = set()
     for r in done:  # one legend entry a group, with its runs' final losses
         steps, losses = zip(*r["loss_curve"])
-        finals = [x["final_loss"] for x in done if x["group"] == r["group"]]
+        mine = finals[r["group"]]
         label = None if r["group"] in labelled else \
-            f"{r['group']}: {len(finals)} seeds, final {min(finals):.3f}-{max(finals):.3f}"
+            f"{r['group']}: {len(mine)} seeds, final {min(mine):.3f}-{max(mine):.3f}"
         labelled.add(r["group"])
         curves.plot(steps, losses, color=colours[r["group"]], linewidth=0.8, alpha=0.8, label=label)
     curves.set_yscale("log")
@@ -166,9 +169,9 @@ def plot(runs: list[dict[str, Any]], path: Path, reference: str = "exact") -> No
     curves.set_ylabel("training loss (logged steps)")
     curves.set_title(f"{RECIPE}, bf16 training unless marked")
     curves.legend(fontsize=8)
-    groups = [g for g in colours if any(r["group"] == g for r in done)]
-    for r in done:
-        seeds = max(x["overrides"]["seed"] for x in done) + 1  # side by side, not stacked, within +-0.3
+    groups = [g for g in colours if g in finals]
+    seeds = max(r["overrides"]["seed"] for r in done) + 1
+    for r in done:  # seeds side by side, not stacked, within +-0.3
         x = groups.index(r["group"]) + 0.6 * (r["overrides"]["seed"] / max(seeds - 1, 1) - 0.5)
         points.scatter([x], [r["quality"]["token_accuracy"]], color=colours[r["group"]], zorder=3)
         points.annotate(f"s{r['overrides']['seed']}", (x, r["quality"]["token_accuracy"]), fontsize=7,
@@ -182,6 +185,12 @@ def plot(runs: list[dict[str, Any]], path: Path, reference: str = "exact") -> No
     points.set_ylabel("held-out token accuracy (200 examples)")
     points.set_title("held-out token accuracy per run")
     render.save(fig, path)
+
+
+def finished_runs(path: Path, keep: Callable[[dict[str, Any]], bool]) -> list[dict[str, Any]]:
+    """The scored runs of an earlier result.json that `keep` accepts, marked with where they came from."""
+    return [dict(r, reused_from=str(path)) for r in json.loads(path.read_text())["runs"]
+            if "quality" in r and keep(r)]
 
 
 def main() -> None:
@@ -202,15 +211,12 @@ def main() -> None:
         parser.error(f"--seeds must be at least 2 and --groups of {', '.join(GROUPS)}")
     reused = []
     if args.exact_from:
-        earlier = json.loads(args.exact_from.read_text())
-        reused = [dict(r, reused_from=str(args.exact_from)) for r in earlier["runs"]
-                  if r["group"] == args.reference and "quality" in r]
+        reused = finished_runs(args.exact_from, lambda r: r["group"] == args.reference)
         groups = [g for g in groups if g != args.reference]
     planned = planned_runs(groups, args.seeds, args.fp32_reference)
     for path in args.reuse:
-        keys = {(g, o["seed"]) for g, o in planned}
-        kept = [dict(r, reused_from=str(path)) for r in json.loads(path.read_text())["runs"]
-                if "quality" in r and (r["group"], r["overrides"]["seed"]) in keys]
+        wanted = {(g, o["seed"]) for g, o in planned}
+        kept = finished_runs(path, lambda r: (r["group"], r["overrides"]["seed"]) in wanted)
         reused += kept
         done = {(r["group"], r["overrides"]["seed"]) for r in kept}
         planned = [(g, o) for g, o in planned if (g, o["seed"]) not in done]
@@ -222,15 +228,18 @@ def main() -> None:
         "host_bytes_per_param": {s: host_bytes_per_param(s) for s in {g["optimizer_states"] for g in GROUPS.values()}},
         "reference": args.reference, "runs": reused,
     }
+
+    def write() -> None:  # at the start and after every run: a kill keeps the finished ones
+        record["verdict"] = verdict(record["runs"], args.reference)
+        _harness.write_json(out / "result.json", record)
+
+    write()
     for group, overrides in planned:
         run = one_run(group, overrides)
         record["runs"].append(run)
-        record["verdict"] = verdict(record["runs"], args.reference)
-        _harness.write_json(out / "result.json", record)  # after every run: a kill keeps the finished ones
+        write()
         print(group, overrides, run.get("final_loss"), run.get("quality", run.get("error")),
               f"{run['seconds']:.0f} s", flush=True)
-    record["verdict"] = verdict(record["runs"], args.reference)
-    _harness.write_json(out / "result.json", record)
     plot(record["runs"], out / "scores.png", args.reference)
     print(table(record["runs"], record["verdict"]))
 
