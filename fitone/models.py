@@ -239,17 +239,17 @@ class LoadedModel:
 
 
 def build_model(config: PretrainedConfig, *, meta: bool = False, dtype: torch.dtype | None = None,
-                checkpoint: str | None = None) -> PreTrainedModel:
-    """Random-weight model from a config; on the meta device (no memory) when `meta`. `checkpoint`: the dir or
-    hub id whose weights will load into it; tied weights it holds apart are built apart, as from_pretrained
-    loads them."""
+                checkpoint: str | None = None, device: str | None = None) -> PreTrainedModel:
+    """Random-weight model from a config, with the architecture's own init, made on `device` (default the CPU);
+    on the meta device (no memory) when `meta`. `checkpoint`: the dir or hub id whose weights will load into it;
+    tied weights it holds apart are built apart, as from_pretrained loads them."""
     auto = AutoModelForSeq2SeqLM if task_of(config) == SEQ2SEQ else AutoModelForCausalLM
     if meta:
         from accelerate import init_empty_weights
 
         ctx = init_empty_weights()
     else:
-        ctx = nullcontext()
+        ctx = torch.device(device) if device else nullcontext()
     with ctx:
         model = auto.from_config(config, dtype=dtype) if dtype else auto.from_config(config)
     model.tie_weights()  # init_empty_weights leaves tied embeddings untied
@@ -330,10 +330,12 @@ def require_model(name: str | None) -> str:
 
 
 def load_model(name: str, *, from_scratch: bool, seed: int = 0, config: PretrainedConfig | None = None,
-               tokenizer: Any = None) -> LoadedModel:
+               tokenizer: Any = None, device: str | None = None, dtype: torch.dtype | None = None) -> LoadedModel:
     """Weights and tokenizer: pretrained from a hub id / local dir, or built from a config. `config` and
-    `tokenizer`: what the caller already loaded (else loaded here). `notes` says what the checkpoint lacked
-    (an LM head that starts random) or held beyond the model (a vision tower left out)."""
+    `tokenizer`: what the caller already loaded (else loaded here). `device`, `dtype`: where and in what a
+    from-scratch model is built and initialised (default the CPU, fp32); a pretrained one loads on the CPU.
+    `notes` says what the checkpoint lacked (an LM head that starts random) or held beyond the model (a
+    vision tower left out)."""
     require_model(name)
     if config is None:
         config = load_config(name, from_scratch=from_scratch)
@@ -341,8 +343,8 @@ def load_model(name: str, *, from_scratch: bool, seed: int = 0, config: Pretrain
         tokenizer = load_tokenizer(name, config, from_scratch=from_scratch)
     notes: list[str] = []
     if from_scratch:
-        torch.manual_seed(seed)
-        model = build_model(config)
+        torch.manual_seed(seed)  # every device's generator
+        model = build_model(config, device=device, dtype=dtype)
     else:
         model, notes = _from_pretrained(name, config)
     return LoadedModel(model=model, tokenizer=tokenizer, task=task_of(config), config=config, notes=notes)

@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass, replace
 from typing import Any
 
+import torch
+
 from fitone import ds_config, runtime
 from fitone.config import TrainConfig, resolve_precision
 from fitone.errors import ConfigError, ModelError
@@ -22,6 +24,9 @@ from fitone.runtime import DistInfo, Placement, Runtime
 from fitone.units import parse_size
 from fitone.zero2 import step_mode
 from fitone.zero2.step_mode import StepMode
+
+
+WEIGHT_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,18 @@ class Run(Placement):
     micro_batch: int | None = None  # None until an 'auto' size is probed
     accumulation: int | None = None
     total_steps: int | None = None
+
+    @property
+    def weights_dtype(self) -> torch.dtype:
+        """The dtype the engine keeps the model's weights in on the device."""
+        return WEIGHT_DTYPES[self.precision]
+
+    def from_scratch_placement(self) -> dict[str, Any]:
+        """Where and in what a from-scratch model is built (load_model's device and dtype): on a GPU in the
+        engine's dtype, in seconds (the CPU's init takes minutes a billion parameters, and a 7B in fp32 fits no
+        24 GB card); on the CPU as the architecture builds it."""
+        on_gpu = self.device == "cuda"
+        return dict(device=self.device if on_gpu else None, dtype=self.weights_dtype if on_gpu else None)
 
     @property
     def batch_is_auto(self) -> bool:

@@ -164,7 +164,8 @@ class Trainer:
     def _setup_model(self, run: Run, tokenizer: Any) -> LoadedModel:
         cfg = self.cfg
         loaded, backend = build_model(run, lambda: load_model(cfg.model, from_scratch=cfg.from_scratch, seed=cfg.seed,
-                                                              config=run.model_config, tokenizer=tokenizer))
+                                                              config=run.model_config, tokenizer=tokenizer,
+                                                              **run.from_scratch_placement()))
         for note in loaded.notes:  # an LM head added, a vision tower left out
             self._say(note)
         note = fused_loss.note(loaded.model.config, backend, device=run.device, precision=run.precision,

@@ -87,6 +87,26 @@ def test_local_dir_loads_weights_and_tokenizer(tiny_t5_dir):
     assert loaded.n_params == sum(p.numel() for p in built.parameters())
 
 
+@pytest.mark.parametrize("name", ["gpt2-tiny", "t5-tiny"])
+def test_a_from_scratch_model_is_built_in_the_asked_dtype_with_its_own_init_and_seed(name):
+    """What a GPU run asks (`device`, the engine's 16-bit dtype), asked here of the CPU: every weight in that
+    dtype, the same weights for a seed, and the architecture's own init: the fp32 build's statistics."""
+    def weights(seed: int, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+        model = load_model(name, from_scratch=True, seed=seed, device="cpu", dtype=dtype).model
+        return {k: v.detach() for k, v in model.named_parameters()}
+
+    half, again, other, full = (weights(0, torch.bfloat16), weights(0, torch.bfloat16), weights(1, torch.bfloat16),
+                                weights(0, None))
+    assert {v.dtype for v in half.values()} == {torch.bfloat16} and {v.dtype for v in full.values()} == {torch.float32}
+    assert all(torch.equal(half[k], again[k]) for k in half)
+    assert not any(torch.equal(half[k], other[k]) for k in half if half[k].dim() >= 2)
+    for k, v in full.items():  # norms at 1, biases at 0, matrices at the config's std (T5 scales its own)
+        if v.dim() < 2 or (v == v.flatten()[0]).all():
+            assert torch.equal(half[k].float(), v), k
+        else:
+            assert half[k].float().std().item() == pytest.approx(v.std().item(), rel=0.1), k
+
+
 def test_from_scratch_tokenizer_is_byt5_and_pad_is_set():
     loaded = load_model("gpt2-tiny", from_scratch=True)
     assert isinstance(loaded.tokenizer, ByT5Tokenizer) and loaded.tokenizer.pad_token_id is not None

@@ -15,6 +15,7 @@ import importlib
 import sys
 
 import pytest
+import torch
 
 import fitone
 import user_models
@@ -130,3 +131,16 @@ def test_a_planned_run_reads_nothing_of_this_machine():
     assert (run.device, run.precision, run.world_size, run.cap_bytes) == ("cuda", "fp16", 2, 20 * 1024**3)
     assert run.mode.name == "deepspeed"  # several ranks keep DeepSpeed's step
     assert resolve_planned(cfg.replace(device="cpu", max_gpu_memory=None), 1).precision == "fp32"
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "fp32"])
+def test_a_from_scratch_model_is_built_on_the_gpu_in_the_engines_dtype_and_on_the_cpu_as_its_architecture_builds(
+        precision):
+    """A GPU run asks load_model for its model on the GPU in the dtype its engine keeps (the GPU lane checks the
+    weights land there); a CPU run for the CPU's fp32 build, whose seeded weights the CPU results rest on."""
+    cfg = fitone.TrainConfig(model="t5-tiny", from_scratch=True, precision=precision)
+    on_gpu = resolve_planned(cfg, 1)
+    assert on_gpu.from_scratch_placement() == dict(device="cuda", dtype=on_gpu.weights_dtype)
+    assert on_gpu.weights_dtype == {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+    if precision != "fp16":  # DeepSpeed's CPU accelerator refuses fp16
+        assert resolve(cpu_config(precision=precision)).from_scratch_placement() == dict(device=None, dtype=None)

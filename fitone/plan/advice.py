@@ -20,7 +20,8 @@ DOES_NOT_FIT = "does not fit"
 
 # what to change when memory runs out in a phase the pre-flight passed (it did not foresee the failure)
 PHASE_FIXES = {
-    "model build": "the weights did not fit where they were built (host RAM for training, the GPU for a probe): "
+    "model build": "the weights did not fit where they were built (host RAM for a pretrained model, a GPU for a "
+                   "from-scratch model or a probe): "
                    "free memory there, use a machine with more, or a smaller model",
     "engine init": "DeepSpeed could not place the weights, gradient buckets and optimizer states before the first "
                    "step: use --offload cpu (if it is off), a larger --max-gpu-memory, a smaller reduce_bucket_size "

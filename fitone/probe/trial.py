@@ -26,12 +26,11 @@ from fitone.models import CAUSAL, load_tokenizer
 from fitone.plan import unforeseen_oom
 from fitone.probe.results import TrialResult
 from fitone.random_init import build_random_model
-from fitone.run import Run
+from fitone.run import WEIGHT_DTYPES, Run
 from fitone.zero2 import installed_version
 from fitone.zero2.errors import is_gradient_computed_twice
 
 Say = Callable[[str], None]
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 # fp16's loss scale starts at 2^16 and an overflow skips the optimizer step, which would leave the step's
 # memory and time out of a trial; the scale holds no memory, so the probe starts it at 2^0.
 PROBE_LOSS_SCALE_POWER = 0
@@ -84,7 +83,7 @@ class ProbeSession:
         cfg = self.cfg
         start = time.perf_counter()
         with unforeseen_oom("model build", verbose=cfg.verbose):
-            self.model = build_random_model(self.config, self.device, DTYPES[self.precision], cfg.seed)
+            self.model = build_random_model(self.config, self.device, WEIGHT_DTYPES[self.precision], cfg.seed)
         self.loss_backend = prepare_for_training(self.run, self.model)  # as training runs it
         if self.on_model is not None:
             self.on_model(self.model)

@@ -1,5 +1,6 @@
 """`fitone train` on the GPU with nothing but the defaults: the shipped DeepSpeed config (pinned host
-buffers, overlap_comm), fp16, activation checkpointing and the pipelined update; and two GPUs under torchrun.
+buffers, overlap_comm), fp16, activation checkpointing, the pipelined update and a from-scratch model made on
+the GPU; and two GPUs under torchrun.
 """
 
 from __future__ import annotations
@@ -8,9 +9,12 @@ import math
 from statistics import mean
 
 import pytest
+import torch
 from gpu_lane import metrics, needs_cuda, needs_two_gpus, record, run_fitone
 
+import fitone.train
 from fitone.config import TrainConfig
+from fitone.models import load_model
 from fitone.train import Trainer
 
 pytestmark = [pytest.mark.gpu, needs_cuda]
@@ -26,7 +30,15 @@ def falls(losses: list[float]) -> bool:
     return all(math.isfinite(x) for x in losses) and mean(losses[-5:]) < 0.5 * mean(losses[:5])
 
 
-def test_the_shipped_default_deepspeed_config_trains_on_the_gpu(text_jsonl, tmp_path):
+def test_the_shipped_default_deepspeed_config_trains_on_the_gpu(text_jsonl, tmp_path, monkeypatch):
+    built = []  # where and in what the from-scratch model was made, before the engine moved anything
+
+    def load_and_look(*args, **kwargs):
+        loaded = load_model(*args, **kwargs)
+        built.extend({(p.device.type, p.dtype) for p in loaded.model.parameters()})
+        return loaded
+
+    monkeypatch.setattr(fitone.train, "load_model", load_and_look)
     cfg = TrainConfig(model="gpt2", from_scratch=True, data=str(text_jsonl), seq_len=64, batch_size=8, lr=1e-3,
                       max_steps=STEPS, eval_examples=0, progress=False, seed=0, out=str(tmp_path / "run"))
     run = Trainer(cfg)  # what fitone.train does, with a look at the engine between setup and the loop
@@ -43,6 +55,7 @@ def test_the_shipped_default_deepspeed_config_trains_on_the_gpu(text_jsonl, tmp_
         # the fp32 masters and the lean layout's 16-bit gradient buffers (the masters keep no fp32 .grad)
         assert all(p.is_pinned() for p in opt.single_partition_of_fp32_groups)
         assert all(g.is_pinned() for g in engine.host.gradients)
+        assert built == [("cuda", torch.float16)]  # initialised on the GPU in the engine's dtype
         result = run.train()
     finally:
         run.cleanup()
