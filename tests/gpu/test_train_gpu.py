@@ -5,6 +5,7 @@ the GPU; and two GPUs under torchrun.
 
 from __future__ import annotations
 
+import importlib
 import math
 from statistics import mean
 
@@ -12,7 +13,6 @@ import pytest
 import torch
 from gpu_lane import metrics, needs_cuda, needs_two_gpus, record, run_fitone
 
-import fitone.train
 from fitone.config import TrainConfig
 from fitone.models import load_model
 from fitone.train import Trainer
@@ -38,7 +38,8 @@ def test_the_shipped_default_deepspeed_config_trains_on_the_gpu(text_jsonl, tmp_
         built.extend({(p.device.type, p.dtype) for p in loaded.model.parameters()})
         return loaded
 
-    monkeypatch.setattr(fitone.train, "load_model", load_and_look)
+    # the module: `fitone.train` is also the package's train() function
+    monkeypatch.setattr(importlib.import_module("fitone.train"), "load_model", load_and_look)
     cfg = TrainConfig(model="gpt2", from_scratch=True, data=str(text_jsonl), seq_len=64, batch_size=8, lr=1e-3,
                       max_steps=STEPS, eval_examples=0, progress=False, seed=0, out=str(tmp_path / "run"))
     run = Trainer(cfg)  # what fitone.train does, with a look at the engine between setup and the loop
