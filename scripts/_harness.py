@@ -119,6 +119,7 @@ def machine(dry_run: bool = False) -> dict[str, Any]:
     return {
         "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none (CPU)",
         "cpu": cpu_model(),  # a CPU run's rounding follows the instruction set its kernels pick
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the one they picked (ATEN_CPU_CAPABILITY)
         "torch": torch.__version__,
         "transformers": version("transformers"),
         "deepspeed": version("deepspeed"),
