@@ -10,11 +10,16 @@ to the nearest and stochastically, on the same gradients.
     python scripts/bench_cpu_adam.py --elements 100000000 --slices 33554432,4194304,1048576
     python scripts/bench_cpu_adam.py --elements 33554432 --states
     python scripts/bench_cpu_adam.py --elements 33554432 --fused16
+    python scripts/bench_cpu_adam.py --elements 1073741824 --threads 4,8,12,15,16
 
 `--fused16`: the exact mode's update against the candidates for one fused 16-bit step, each from the bf16
 gradient as it is: fitone's C++ op (fitone.zero2.low_precision.fused_adamw_16bit, nearest and stochastic),
 DeepSpeedCPUAdam on bf16 parameters and bf16 states, and torch.compile of the reference's arithmetic; with
 each one's bits against the reference's (low_precision.adamw_16bit) after one step.
+
+`--threads`: the pipelined update's exact op (fitone.zero2.adam32, fp32 master and moments from bf16 gradients)
+chunk by chunk as the update runs it, from a thread of its own, at each thread count; with the bytes it moves a
+second (26 an element), against which the machine's memory bandwidth says how close to its limit it runs.
 """
 
 from __future__ import annotations
@@ -37,7 +42,10 @@ def main() -> None:
                     "AdamW from bf16 gradients at each")
     ap.add_argument("--states", action="store_true", help="time the 16-bit optimizer states' step beside fp32's")
     ap.add_argument("--fused16", action="store_true", help="time the fused 16-bit step's candidates beside fp32's")
+    ap.add_argument("--threads", default=None, help="comma-separated OpenMP thread counts: time the exact op at each")
     args = ap.parse_args()
+    if args.threads:
+        return exact_op_threads(args.elements, [int(x) for x in args.threads.split(",")], args.steps)
     if args.fused16:
         return fused_candidates(args.elements, args.steps)
     if args.states:
@@ -70,6 +78,40 @@ def main() -> None:
         print(f"{name:22s} {statistics.median(times):.4f} s per step over {n:,} elements "
               f"({torch.get_num_threads()} threads)")
     print(f"largest weight difference after {args.steps + 1} steps: {(ds_param.data - param).abs().max().item():.2e}")
+
+
+def exact_op_threads(n: int, counts: list[int], steps: int) -> None:
+    """fitone.zero2.adam32's op over n elements in the lean layout's chunks, run from a background thread (the
+    update's) with `torch.set_num_threads(k)` there for each k."""
+    import threading
+
+    from fitone.zero2 import adam32
+    from fitone.zero2.layout import CHUNK_ELEMENTS
+
+    if not adam32.available():
+        raise SystemExit("the exact op cannot be built here")
+    param, m, v = torch.full((n,), 0.5), torch.zeros(n), torch.zeros(n)
+    grad = torch.full((n,), 1e-3, dtype=torch.bfloat16)
+    hyper = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+
+    def run(k: int, out: list[float]) -> None:
+        torch.set_num_threads(k)  # this thread's OpenMP teams only
+        for step in range(1, steps + 2):
+            t0 = time.perf_counter()
+            for lo in range(0, n, CHUNK_ELEMENTS):
+                hi = min(lo + CHUNK_ELEMENTS, n)
+                adam32.adamw(param[lo:hi], m[lo:hi], v[lo:hi], grad[lo:hi], step=step, grad_scale=1024.0, **hyper)
+            if step > 1:  # the first pass warms the pages
+                out.append(time.perf_counter() - t0)
+
+    for k in counts:
+        times: list[float] = []
+        worker = threading.Thread(target=run, args=(k, times))
+        worker.start()
+        worker.join()
+        s = statistics.median(times)
+        print(f"exact op, {k:2d} threads: {s:.4f} s per step over {n:,} elements, {s / n * 1e9:.3f} s per 1e9, "
+              f"{26 * n / s / 1e9:.1f} GB/s at 26 B an element", flush=True)
 
 
 def widened(n: int, slices: list[int], steps: int) -> None:

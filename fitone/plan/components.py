@@ -53,7 +53,7 @@ class _Setup:
     pipelined_update: bool = False  # two fp32 upload chunks on the GPU (fitone.zero2.overlap)
     fused_loss: str | None = None  # causal LMs: the fused LM head + loss's backend (fitone.loss), None: the model's
     optimizer_states: str = "fp32"  # bf16 ones: bf16 master and moments on the lean layout (fitone.zero2.low_precision)
-    speculative_update: bool = False  # a bounded backup of the chunks Adam runs on early (fitone.zero2.speculative)
+    speculative_update: bool = False  # a chunk's scratch for undoing its early Adam (fitone.zero2.speculative)
 
     @property
     def w(self) -> int:
@@ -308,9 +308,10 @@ def _lean_host_components(st: _Setup, part: int) -> list[Component]:
     if w < 4 and m == 4:  # the fused 16-bit step reads the 16-bit gradients as they are
         comps.append(Component("fp32 gradient chunk", "buffers", 4 * min(part, layout.WIDEN_ELEMENTS),
                                "the gradients widened for Adam a slice at a time"))
-    if st.speculative_update:
-        comps.append(Component("speculation backup", "buffers", min(speculative.SPECULATIVE_BACKUP_BYTES, 12 * part),
-                               "--speculative-update's copy of the fp32 master and moments it runs Adam on early"))
+    if st.speculative_update:  # no copy of the states: an undo inverts Adam on one chunk at a time
+        scratch = speculative.UNDO_SCRATCH_BYTES * min(part, layout.CHUNK_ELEMENTS)
+        comps.append(Component("speculation undo scratch", "buffers", scratch,
+                               "--speculative-update's fp32 gradient and denominator while it undoes a chunk"))
     if st.optimizer_states in low_precision.COMPENSATED:  # bf16-kahan: what rounding the master lost, in bf16
         comps.append(Component("compensation", "optimizer", 2 * part, "2 B/param, bf16-kahan's rounding errors"))
     if m < 4 and low_precision.ROUNDING_OF_STATES[st.optimizer_states] == low_precision.STOCHASTIC:

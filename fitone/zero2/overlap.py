@@ -185,9 +185,10 @@ class PipelinedUpdate(OverlappedStep):
     On the lean host layout (`host`, fitone.zero2.layout.LeanHost; the engine's case) Adam reads each chunk's bf16
     gradient as it is (fitone.zero2.adam32, PyTorch's fused AdamW's bits; fp16 ones, or where its op cannot be
     built, widened a slice at a time), and the first `after` steps, which are DeepSpeed's arithmetic, run the
-    same chunks through DeepSpeed's unscale/clip and DeepSpeedCPUAdam's C++ step, widened a slice at a time,
-    applied before `step` returns: DeepSpeed's own step would need a whole fp32 gradient. Without `host`, on
-    DeepSpeed's own layout, its fp32 gradients are read and its own step runs first.
+    same chunks through DeepSpeed's unscale/clip and DeepSpeedCPUAdam's C++ step, widened a slice at a time, in
+    the thread beside the next forward like every later step (DeepSpeed's own step would need a whole fp32
+    gradient; run at once, the first step was a slow one of the run's). Without `host`, on DeepSpeed's own layout,
+    its fp32 gradients are read and its own step runs first, applied before `step` returns.
 
     `states` 'bf16', 'bf16-nearest' or 'bf16-kahan' (on `host` only; DeepSpeed built with
     bf16_master_weights_and_grads and bf16_optimizer_states): every step, the first ones too, is
@@ -196,10 +197,10 @@ class PipelinedUpdate(OverlappedStep):
     nearest, or to the nearest with a bf16 compensation buffer (made here, in the optimizer's state, so that
     checkpoints carry it).
 
-    `speculative` (opt-in, fp32 states only): chunks' Adam run early, during the boundary backward, kept only where
-    bit-identical (fitone.zero2.speculative); one rank only, as are 16-bit states. Several ranks: each rank updates
-    its partition, whose chunks are all-gathered as the forward waits (fitone.zero2.ranks). `model`: the engine's
-    module (forward pre-hooks go on its submodules).
+    `speculative` (opt-in, fp32 states only): chunks' Adam run early, during the boundary backward, kept where
+    bit-identical, else undone (fitone.zero2.speculative); one rank only, as are 16-bit states. Several ranks: each
+    rank updates its partition, whose chunks are all-gathered as the forward waits (fitone.zero2.ranks). `model`:
+    the engine's module (forward pre-hooks go on its submodules).
     """
 
     name = "pipelined update"
@@ -299,9 +300,9 @@ class PipelinedUpdate(OverlappedStep):
         if self.host is None:
             return super()._first_step()
         decided = self._prologue()
-        if decided is not None:
-            self._launch(*decided, deepspeeds=True)
-            self.sync()
+        if decided is not None:  # in the thread like every later step (its own arithmetic): no step waits whole
+            norm, hyper = decided
+            self._launch(None if norm is None else norm.detach().to("cpu"), hyper, deepspeeds=True)
 
     def _launch(self, norm: torch.Tensor | None, hyper: list[dict[str, Any]], deepspeeds: bool = False) -> None:
         """Start the update in the thread; `deepspeeds`: with DeepSpeed's unscale/clip and CPU Adam."""
@@ -313,7 +314,9 @@ class PipelinedUpdate(OverlappedStep):
             kernel, scale = self._adam, self._combined_scale(norm)
         kept, speculated = frozenset(), {}
         if self.speculation is not None:  # what it ran exactly as `kernel` will is kept, the rest undone (sync drops)
-            kept, speculated = self.speculation.resolve(kernel, scale, hyper), dict(self.speculation.this_step)
+            clipped = norm is not None and self._combined_scale(norm) != self._combined_scale(None)
+            kept = self.speculation.resolve(kernel, scale, hyper, clipped=clipped)
+            speculated = dict(self.speculation.this_step)
         self.sync()  # the previous update is complete (the forward and backward since needed all of it)
         grads = None if self.host is not None else [p.grad for p in self.opt.single_partition_of_fp32_groups]
         self._release_step_buffers()

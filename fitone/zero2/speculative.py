@@ -3,17 +3,21 @@
 The pipelined update's Adam is on the critical path (the next forward waits for it) while the CPU idles through
 the boundary micro-batch's backward. Here a chunk's Adam runs during that backward, in the update's own thread, as
 soon as every gradient overlapping the chunk has reached the host: the same kernel on the same arguments the
-pipelined update would give it, with the scale it gives when clipping does not fire (the loss scale). Its fp32
-master and moments are backed up first (at most SPECULATIVE_BACKUP_BYTES of chunks a step; the rest wait as
-before). At the step the speculation is kept only where it ran exactly what the update would run (same kernel,
-scale, hyperparameters and step count); anything else (an overflow, clipping, a new loss scale, DeepSpeed's own
-first steps, a step that never comes) restores the backups, and the update redoes those chunks. So the result is
-the pipelined update's, bit for bit.
+pipelined update would give it, with the scale it gives when clipping does not fire (the loss scale). At the step
+the speculation is kept where it ran exactly what the update runs (same kernel, scale, hyperparameters and step
+count): those chunks are the pipelined update's, bit for bit. Anything else (clipping, an overflow, a new loss
+scale, a step that never comes) undoes it: the AdamW step is inverted in place from the same gradient
+(`undo_adamw`), so no copy of the states is kept and every chunk can be speculated; the states it gives back are
+the old ones to a few fp32 roundings (tests/zero2/test_speculative.py bounds them), and the update then redoes
+those chunks. Two rules keep the undo rare and possible: a step is not speculated when the last one clipped
+(clipping tends to persist, and each undo costs about one Adam pass), and a chunk whose gradient is not finite
+is not speculated (an inf cannot be inverted; the update treats it as without speculation).
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 import threading
 import time
 from concurrent.futures import Future
@@ -21,7 +25,7 @@ from typing import Any, Hashable
 
 import torch
 
-SPECULATIVE_BACKUP_BYTES = 2 * 2**30  # fp32 master + two moments: 12 B an element, so ~180M elements a step
+UNDO_SCRATCH_BYTES = 8  # per element of the chunk being undone: its fp32 gradient and Adam's denominator
 
 
 class ChunkTracker:
@@ -70,11 +74,34 @@ class ChunkTracker:
         return (self.ends[i][c - 1] if c else 0), self.ends[i][c]
 
 
+def undo_adamw(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor, *,
+               step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+               grad_scale: float | None = None, adam_w_mode: bool = True) -> None:
+    """Invert, in place, one step of PyTorch's fused AdamW (fitone.zero2.adam32's arithmetic) that took `master`,
+    `exp_avg` and `exp_avg_sq` from their old values to these with `grad` divided by `grad_scale` at `step`. Exact
+    up to fp32 rounding: a few ulps of the step's inputs (an ulp of the new state, divided by beta)."""
+    beta1, beta2 = betas
+    g = grad.float() if grad.dtype != torch.float32 else grad.clone()
+    if grad_scale is not None:
+        g.div_(grad_scale)
+    step_size = lr / (1 - beta1 ** step)
+    denom = exp_avg_sq.sqrt().div_(math.sqrt(1 - beta2 ** step)).add_(eps)
+    master.addcdiv_(exp_avg, denom, value=step_size)  # before the moments: the step read the new ones
+    del denom
+    if adam_w_mode:
+        if weight_decay:
+            master.div_(1 - lr * weight_decay)
+    elif weight_decay:
+        g.add_(master, alpha=weight_decay)  # Adam's L2 term on the old weights, now restored
+    exp_avg.sub_(g, alpha=1 - beta1).div_(beta1)
+    exp_avg_sq.addcmul_(g, g, value=-(1 - beta2)).div_(beta2).clamp_(min=0)
+
+
 class Speculation:
     """The speculative Adam of one PipelinedUpdate (`update`): armed before each backward, fed by the boundary
     copies of the gradients to the host, resolved at the step (`resolve` or `drop`)."""
 
-    def __init__(self, update: Any, budget_bytes: int = SPECULATIVE_BACKUP_BYTES):
+    def __init__(self, update: Any):
         opt = update.opt
         spans = {}
         for params in opt.params_in_partition:
@@ -84,40 +111,46 @@ class Speculation:
                 spans[param_id] = (i, dest_offset, dest_offset + n)
         self.update = update
         self.tracker = ChunkTracker(update.chunks, spans)
-        total = sum(ends[-1] for ends in update.chunks)
-        self._capacity = min(budget_bytes // 4, 3 * total)  # fp32 elements of backup
-        self._backup: torch.Tensor | None = None  # allocated at the first armed step
         self._lock = threading.Lock()  # the copies may come from autograd's device thread
         self._futures: list[Future] = []
-        self._outstanding: list[tuple[int, int, int, int, int]] = []  # (group, chunk, lo, hi, backup offset)
+        self._outstanding: list[tuple[int, int, int, int]] = []  # (group, chunk, lo, hi) whose Adam ran early
         self._events: dict[Hashable, Any] = {}  # on a GPU: each parameter's boundary copy, recorded
         self.armed = False
+        self.last_clipped = False  # the last step clipped: the next one is not speculated
         # what this step's speculation ran with (set when armed)
         self._kernel, self._scale, self._hyper, self._steps, self._poisoned = None, None, [], [], False
-        self._used = 0
         # cumulative, and this step's (the update's timing dict gets the latter)
-        self.totals = {"speculated_chunks": 0, "rolled_back_chunks": 0, "speculative_adam_s": 0.0}
-        self.this_step = dict(self.totals)
+        self.totals = self._counters()
+        self.this_step = self._counters()
         self._copy = opt.async_inplace_copy_grad_to_fp32_buffer_from_gpu  # the lean layout's boundary copy
         opt.async_inplace_copy_grad_to_fp32_buffer_from_gpu = self._copy_and_speculate  # on this optimizer only
+
+    @staticmethod
+    def _counters() -> dict[str, float]:
+        return {"speculated_chunks": 0, "rolled_back_chunks": 0, "nonfinite_chunks": 0, "steps_after_clipping": 0,
+                "speculative_adam_s": 0.0, "undo_s": 0.0}
+
+    def _count(self, name: str, value: float) -> None:
+        self.this_step[name] += value
+        self.totals[name] += value
 
     # -- during the backward ----------------------------------------------------------------------------
     def arm(self) -> None:
         """Before a backward: undo anything unresolved, then speculate in this backward if its step will be
-        a pipelined one on existing states (not one of DeepSpeed's first `after`)."""
+        a pipelined one on existing states (not one of DeepSpeed's first `after`) and the last step did not clip."""
         self.drop()
-        self.this_step = {"speculated_chunks": 0, "rolled_back_chunks": 0, "speculative_adam_s": 0.0}
+        self.this_step = self._counters()
         upd, opt = self.update, self.update.opt
         states = [opt.optimizer.state.get(m, {}) for m in opt.single_partition_of_fp32_groups]
         if upd.applied < upd.after or any("step" not in s for s in states):
+            return
+        if self.last_clipped:
+            self._count("steps_after_clipping", 1)
             return
         self._scale = upd._combined_scale(None)  # what the update divides by when clipping does not fire
         self._hyper = upd.hyperparameters()
         self._steps = [s["step"] + 1 for s in states]
         self._kernel = upd._adam
-        if self._backup is None:
-            self._backup = torch.empty(self._capacity, dtype=torch.float32)
-        self._used = 0
         self._poisoned = False
         self._events = {}
         self.tracker.reset()
@@ -140,36 +173,33 @@ class Speculation:
                 return
             for i, c in done:
                 lo, hi = self.tracker.bounds(i, c)
-                if self._used + 3 * (hi - lo) > self._capacity:
-                    continue  # over the budget: this chunk waits for the update, as without speculation
-                offset, self._used = self._used, self._used + 3 * (hi - lo)
                 events = [self._events[k] for k in self.tracker.members((i, c)) if self._events[k] is not None]
-                self._futures.append(self.update._pool.submit(self._speculate, i, c, lo, hi, offset, events))
+                self._futures.append(self.update._pool.submit(self._speculate, i, c, lo, hi, events))
 
-    def _speculate(self, i: int, c: int, lo: int, hi: int, offset: int, events: list[Any]) -> None:
-        """In the update's thread (after the last update, which the pool runs first): back up, then Adam."""
+    def _speculate(self, i: int, c: int, lo: int, hi: int, events: list[Any]) -> None:
+        """In the update's thread (after the last update, which the pool runs first): Adam on a finite chunk."""
         upd = self.update
         for event in events:
             event.synchronize()
         if upd._side is not None:
             upd._side.synchronize()  # the last update's uploads have read the master this overwrites
         t0 = time.perf_counter()
-        master = upd.opt.single_partition_of_fp32_groups[i]
-        state = upd.opt.optimizer.state[master]
-        n = hi - lo
-        for k, source in enumerate((master.data, state["exp_avg"], state["exp_avg_sq"])):
-            self._backup[offset + k * n:offset + (k + 1) * n].copy_(source[lo:hi])
-        with self._lock:
-            self._outstanding.append((i, c, lo, hi, offset))  # restorable from here on, even if Adam raises
+        # one read of the 16-bit gradient: a sum is finite only if every element is (an inf cannot be undone)
+        if not math.isfinite(float(upd.host.gradients[i][lo:hi].sum(dtype=torch.float32))):
+            self._count("nonfinite_chunks", 1)
+            return
         upd._adam_chunk(self._kernel, None, self._scale, self._hyper[i], self._steps[i], i, lo, hi)
-        seconds = time.perf_counter() - t0
-        self.this_step["speculative_adam_s"] += seconds  # read by the main thread only once settled
-        self.totals["speculative_adam_s"] += seconds
+        with self._lock:
+            self._outstanding.append((i, c, lo, hi))  # undoable from here on (a failed Adam is raised, not undone)
+        self._count("speculative_adam_s", time.perf_counter() - t0)  # read by the main thread once settled
 
     # -- at the step -------------------------------------------------------------------------------------
-    def resolve(self, kernel: Any, scale: float | None, hyper: list[dict[str, Any]]) -> frozenset[tuple[int, int]]:
-        """At the update's launch, before it counts the step, with what it will run: the (group, chunk)s whose
-        Adam already ran exactly so (the update skips their Adam); every other speculated chunk is restored."""
+    def resolve(self, kernel: Any, scale: float | None, hyper: list[dict[str, Any]],
+                clipped: bool = False) -> frozenset[tuple[int, int]]:
+        """At the update's launch, before it counts the step, with what it will run (`clipped`: this step clips):
+        the (group, chunk)s whose Adam already ran exactly so (the update skips their Adam); every other
+        speculated chunk is undone."""
+        self.last_clipped = clipped
         opt = self.update.opt
         steps = [opt.optimizer.state.get(m, {}).get("step", 0) + 1 for m in opt.single_partition_of_fp32_groups]
         error = self._settle()
@@ -183,13 +213,12 @@ class Speculation:
         """Undo every unresolved speculation (an overflowed step, a backward whose step never came)."""
         self._finish([], self._settle())
 
-    def _finish(self, kept: list[tuple[int, int, int, int, int]], error: BaseException | None) -> None:
-        """Restore every outstanding chunk not `kept`, count them, then raise what the thread raised."""
+    def _finish(self, kept: list[tuple[int, int, int, int]], error: BaseException | None) -> None:
+        """Undo every outstanding chunk not `kept`, count them, then raise what the thread raised."""
         rolled = [e for e in self._outstanding if e not in kept]
-        self._restore(rolled)
-        for name, n in (("speculated_chunks", len(self._outstanding)), ("rolled_back_chunks", len(rolled))):
-            self.this_step[name] += n
-            self.totals[name] += n
+        self._undo(rolled)
+        self._count("speculated_chunks", len(self._outstanding))
+        self._count("rolled_back_chunks", len(rolled))
         self._outstanding = []
         if error is not None:
             raise error
@@ -202,14 +231,21 @@ class Speculation:
         errors = [future.exception() for future in futures]  # waits for every one, an error or not
         return next((e for e in errors if e is not None), None)
 
-    def _restore(self, entries: list[tuple[int, int, int, int, int]]) -> None:
-        opt = self.update.opt
-        for i, _c, lo, hi, offset in entries:
-            master = opt.single_partition_of_fp32_groups[i]
-            state = opt.optimizer.state[master]
-            n = hi - lo
-            for k, target in enumerate((master.data, state["exp_avg"], state["exp_avg_sq"])):
-                target[lo:hi].copy_(self._backup[offset + k * n:offset + (k + 1) * n])
+    def _undo(self, entries: list[tuple[int, int, int, int]]) -> None:
+        """Invert the speculative Adam on `entries`, from the gradients it read (still in the host buffers:
+        the next backward writes them only after `arm` has dropped what is unresolved)."""
+        if not entries:
+            return
+        upd, t0 = self.update, time.perf_counter()
+        adam = upd.opt.optimizer
+        for i, _c, lo, hi in entries:
+            master = upd.opt.single_partition_of_fp32_groups[i]
+            state, hyper = adam.state[master], self._hyper[i]
+            undo_adamw(master.data[lo:hi], state["exp_avg"][lo:hi], state["exp_avg_sq"][lo:hi],
+                       upd.host.gradients[i][lo:hi], step=self._steps[i], lr=hyper["lr"], betas=hyper["betas"],
+                       eps=hyper["eps"], weight_decay=hyper["weight_decay"], grad_scale=self._scale,
+                       adam_w_mode=getattr(adam, "adam_w_mode", True))
+        self._count("undo_s", time.perf_counter() - t0)
 
     def close(self) -> None:
         """Undo what is unresolved and give the layout its own boundary copy back."""
