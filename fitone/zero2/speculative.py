@@ -17,6 +17,7 @@ is not speculated (an inf cannot be inverted; the update treats it as without sp
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
 import threading
 import time
@@ -113,6 +114,7 @@ class Speculation:
         self.tracker = ChunkTracker(update.chunks, spans)
         self._lock = threading.Lock()  # the copies may come from autograd's device thread
         self._futures: list[Future] = []
+        self._ready: list[tuple[int, int, int, int, list[Any]]] = []  # chunks to speculate, lowest first (a heap)
         self._outstanding: list[tuple[int, int, int, int]] = []  # (group, chunk, lo, hi) whose Adam ran early
         self._events: dict[Hashable, Any] = {}  # on a GPU: each parameter's boundary copy, recorded
         self.armed = False
@@ -127,8 +129,8 @@ class Speculation:
 
     @staticmethod
     def _counters() -> dict[str, float]:
-        return {"speculated_chunks": 0, "rolled_back_chunks": 0, "nonfinite_chunks": 0, "steps_after_clipping": 0,
-                "speculative_adam_s": 0.0, "undo_s": 0.0}
+        return {"speculated_chunks": 0, "rolled_back_chunks": 0, "unstarted_chunks": 0, "nonfinite_chunks": 0,
+                "steps_after_clipping": 0, "speculative_adam_s": 0.0, "undo_s": 0.0}
 
     def _count(self, name: str, value: float) -> None:
         self.this_step[name] += value
@@ -166,6 +168,8 @@ class Speculation:
             event = torch.cuda.Event()
             event.record()
         with self._lock:
+            if not self.armed:  # settled meanwhile: nothing more is started this step
+                return
             self._events[key] = event
             done = self.tracker.copied(key)
             if done is None:
@@ -174,18 +178,26 @@ class Speculation:
             for i, c in done:
                 lo, hi = self.tracker.bounds(i, c)
                 events = [self._events[k] for k in self.tracker.members((i, c)) if self._events[k] is not None]
-                self._futures.append(self.update._pool.submit(self._speculate, i, c, lo, hi, events))
+                heapq.heappush(self._ready, (i, c, lo, hi, events))
+                self._futures.append(self.update._pool.submit(self._speculate))
 
-    def _speculate(self, i: int, c: int, lo: int, hi: int, events: list[Any]) -> None:
-        """In the update's thread (after the last update, which the pool runs first): Adam on a finite chunk."""
+    def _speculate(self) -> None:
+        """In the update's thread (after the last update, which the pool runs first): Adam on the first waiting
+        chunk in the forward's order, if finite. The ones the backward delivers last are the first layers', which
+        the next forward needs first; what is left at the step is the last layers', which it needs last."""
+        with self._lock:
+            if not self._ready:
+                return
+            i, c, lo, hi, events = heapq.heappop(self._ready)
         upd = self.update
         for event in events:
             event.synchronize()
         if upd._side is not None:
             upd._side.synchronize()  # the last update's uploads have read the master this overwrites
         t0 = time.perf_counter()
-        # one read of the 16-bit gradient: a sum is finite only if every element is (an inf cannot be undone)
-        if not math.isfinite(float(upd.host.gradients[i][lo:hi].sum(dtype=torch.float32))):
+        # one read of the gradient (an inf cannot be undone): its extremes are finite only if every element is
+        # (a sum into fp32 casts first, many times slower for fp16 than this)
+        if not all(math.isfinite(float(x)) for x in torch.aminmax(upd.host.gradients[i][lo:hi])):
             self._count("nonfinite_chunks", 1)
             return
         upd._adam_chunk(self._kernel, None, self._scale, self._hyper[i], self._steps[i], i, lo, hi)
@@ -224,11 +236,15 @@ class Speculation:
             raise error
 
     def _settle(self) -> BaseException | None:
-        """Stop speculating and wait for what was started; the first error it raised, if any."""
+        """Stop speculating: chunks not yet started are left to the update (which runs them in the forward's order
+        beside it), the one running is waited for; the first error raised, if any."""
         with self._lock:
             self.armed = False
             futures, self._futures = self._futures, []
-        errors = [future.exception() for future in futures]  # waits for every one, an error or not
+            left, self._ready = len(self._ready), []
+        running = [future for future in futures if not future.cancel()]  # cancel() fails once started
+        self._count("unstarted_chunks", left)
+        errors = [future.exception() for future in running]  # waits for each, an error or not
         return next((e for e in errors if e is not None), None)
 
     def _undo(self, entries: list[tuple[int, int, int, int]]) -> None:

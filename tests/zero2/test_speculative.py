@@ -113,6 +113,36 @@ def test_speculation_kept_gives_the_pipelined_update_bit_for_bit(precision, grad
     assert last["speculated_chunks"] > 20 and last["rolled_back_chunks"] == 0 and last["speculative_adam_s"] > 0
 
 
+@pytest.mark.numeric
+def test_chunks_not_started_at_the_step_are_left_to_the_update_and_the_result_is_the_same():
+    """A speculation slower than the backward (each chunk's Adam slowed here; on a GPU, a model whose CPU Adam
+    outlasts its backward): at the step the chunks not yet started are the update's, run beside the next
+    forward in its order, and the rest kept: still the pipelined update's bits."""
+    import time
+
+    plain = make_engine("fp32", speculative=False)
+    try:
+        want = train(plain, 4)
+    finally:
+        plain.close()
+    engine = make_engine("fp32", speculative=True)
+    adam = engine.overlap._adam
+
+    def slow(*args, **kwargs):
+        time.sleep(0.002)
+        adam(*args, **kwargs)
+
+    engine.overlap._adam = slow
+    try:
+        got = train(engine, 4)
+        totals = engine.overlap.speculation.totals
+    finally:
+        engine.overlap._adam = adam
+        engine.close()
+    assert identical(want, got)
+    assert totals["unstarted_chunks"] > 0 and totals["speculated_chunks"] > 0 and totals["rolled_back_chunks"] == 0
+
+
 def test_the_undo_inverts_one_adamw_step_to_fp32_rounding():
     """undo_adamw after fitone.zero2.adam32's step (AdamW and Adam's L2 mode, fp32 and bf16 gradients, a loss
     scale): the old states back to an ulp of the new ones (the most an in-place inversion can keep)."""
