@@ -7,6 +7,7 @@ optimizer step it takes is decided by fitone.zero2.step_mode and handed in as ke
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from typing import Any
 
@@ -124,6 +125,20 @@ class Engine:
         if "fp16" not in self.ds_config:
             return None
         return float(getattr(self.optimizer, "loss_scale", 0.0) or 0.0)
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The last step's gradient norm before clipping (DeepSpeed's, unscaled); None before the first step,
+        where DeepSpeed does not compute it, or after an overflow."""
+        norm = self.ds.get_global_grad_norm()
+        value = None if norm is None else float(norm)
+        return value if value is not None and math.isfinite(value) else None
+
+    @property
+    def update_timing(self) -> dict[str, float]:
+        """The overlapped step's last completed update (one step behind the pipelined update's): its thread's
+        seconds and, with --speculative-update, its counters (OverlappedStep.last_timing); empty otherwise."""
+        return dict(self.overlap.last_timing or {}) if self.overlap is not None else {}
 
     @property
     def lr(self) -> float:

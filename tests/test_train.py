@@ -199,6 +199,27 @@ def test_eval_every_scores_during_the_run_and_logs_each_score(tmp_path):
     assert along.evals[0]["eval_loss"] != pytest.approx(along.evals[1]["eval_loss"], rel=1e-3)
 
 
+def test_metrics_log_the_gradient_norm_and_the_overlapped_updates_own_counters(tmp_path):
+    """Each step's record holds the gradient norm before clipping and, under the pipelined update, its last
+    completed update's thread time, wait and speculation counters: what says why one step was slower."""
+    import json
+
+    cfg = cpu_config(max_steps=4, grad_clip=100.0, pipelined_update=True, speculative_update=True,
+                     out=str(tmp_path / "run"))
+    fitone.train(cfg)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 4 and all(math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 for r in rows)
+    later = rows[1:]  # from step 2 on, the record carries step - 1's update
+    assert all(r["update_thread_s"] > 0 and r["update_wait_s"] >= 0 for r in later)
+    # no clipping at 100: every chunk speculated and kept, or left to the update when the backward ended first
+    assert sum(r["update_speculated_chunks"] + r["update_unstarted_chunks"] for r in later) > 0
+    assert all(r["update_rolled_back_chunks"] == 0 for r in later)
+    plain = fitone.train(cpu_config(max_steps=2, pipelined_update=False, out=str(tmp_path / "plain")))
+    assert plain.update == "deepspeed"
+    rows = [json.loads(line) for line in (tmp_path / "plain" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["grad_norm"] > 0 for r in rows) and not any(k.startswith("update_") for r in rows for k in r)
+
+
 def test_a_held_out_score_that_runs_out_of_gpu_memory_is_skipped_and_training_goes_on(monkeypatch, capsys):
     """The CPU cannot run out of GPU memory: a hook raises torch.OutOfMemoryError in the model's forward
     while it is in eval mode, for the mid-run score at step 2 only."""

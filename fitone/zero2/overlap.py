@@ -184,11 +184,9 @@ class PipelinedUpdate(OverlappedStep):
 
     On the lean host layout (`host`, fitone.zero2.layout.LeanHost; the engine's case) Adam reads each chunk's bf16
     gradient as it is (fitone.zero2.adam32, PyTorch's fused AdamW's bits; fp16 ones, or where its op cannot be
-    built, widened a slice at a time), and the first `after` steps, which are DeepSpeed's arithmetic, run the
-    same chunks through DeepSpeed's unscale/clip and DeepSpeedCPUAdam's C++ step, widened a slice at a time, in
-    the thread beside the next forward like every later step (DeepSpeed's own step would need a whole fp32
-    gradient; run at once, the first step was a slow one of the run's). Without `host`, on DeepSpeed's own layout,
-    its fp32 gradients are read and its own step runs first, applied before `step` returns.
+    built, widened a slice at a time); the first `after` steps, DeepSpeed's arithmetic, run the same chunks in
+    the thread through its unscale/clip and C++ Adam, widened a slice at a time (its own step needs a whole fp32
+    gradient). Without `host` (DeepSpeed's layout) its fp32 gradients are read and its own step runs first.
 
     `states` 'bf16', 'bf16-nearest' or 'bf16-kahan' (on `host` only; DeepSpeed built with
     bf16_master_weights_and_grads and bf16_optimizer_states): every step, the first ones too, is
@@ -315,8 +313,7 @@ class PipelinedUpdate(OverlappedStep):
         kept, speculated = frozenset(), {}
         if self.speculation is not None:  # what it ran exactly as `kernel` will is kept, the rest undone (sync drops)
             clipped = norm is not None and self._combined_scale(norm) != self._combined_scale(None)
-            kept = self.speculation.resolve(kernel, scale, hyper, clipped=clipped)
-            speculated = dict(self.speculation.this_step)
+            kept, speculated = self.speculation.resolve(kernel, scale, hyper, clipped), dict(self.speculation.this_step)
         self.sync()  # the previous update is complete (the forward and backward since needed all of it)
         grads = None if self.host is not None else [p.grad for p in self.opt.single_partition_of_fp32_groups]
         self._release_step_buffers()

@@ -37,12 +37,21 @@ def make_engine(precision: str, *, speculative: bool, grad_accum: int = 1, clip:
     return engine
 
 
+def drain(engine: Engine) -> None:
+    """Wait until every chunk the backward handed to the speculation has run (errors stay in their futures):
+    on a shared CPU the backward may end first, and the step would leave the rest to the update."""
+    speculation = getattr(engine.overlap, "speculation", None)
+    for future in list(speculation._futures if speculation is not None else []):
+        future.exception()
+
+
 def train(engine: Engine, steps: int, grad_accum: int = 1, inf_at: int | None = None, clip_at: int | None = None,
-          rescale_at: int | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+          rescale_at: int | None = None, drained: bool = True) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Losses of each micro-batch, and the fp32 master and moments at the end. `inf_at`: that step's gradients
     hold an inf (an overflow, as tests/zero2/test_overflow.py makes one); `clip_at`: that step clips;
     `rescale_at`: the loss scale becomes 2 between that step's backward and its update (as a dynamic scaler
-    moves it; fp16, which has one, needs a GPU), and stays 2."""
+    moves it; fp16, which has one, needs a GPU), and stays 2; `drained`: each step comes once every chunk's
+    speculation has run, so what is speculated does not depend on the machine's speed."""
     losses = []
     param = next(p for n, p in engine.module.named_parameters() if "layer.0.SelfAttention.q" in n)
     opt = engine.optimizer
@@ -54,16 +63,22 @@ def train(engine: Engine, steps: int, grad_accum: int = 1, inf_at: int | None = 
             engine.backward(loss)
             if step == rescale_at and micro == grad_accum - 1:
                 opt.loss_scale = 2.0
+            if drained:
+                drain(engine)
             engine.step()
             losses.append(loss.item())
         opt.clip_grad = clip
         if handle is not None:
             handle.remove()
+    return losses, states(engine)
+
+
+def states(engine: Engine) -> dict[str, torch.Tensor]:
+    """The fp32 master and moments, once the pending update has landed."""
     engine.sync_weights()
-    master = opt.single_partition_of_fp32_groups
-    state = {f"{k}{i}": (m.data if k == "master" else opt.optimizer.state[m][k]).clone()
-             for i, m in enumerate(master) for k in ("master", "exp_avg", "exp_avg_sq")}
-    return losses, state
+    opt = engine.optimizer
+    return {f"{k}{i}": (m.data if k == "master" else opt.optimizer.state[m][k]).clone()
+            for i, m in enumerate(opt.single_partition_of_fp32_groups) for k in ("master", "exp_avg", "exp_avg_sq")}
 
 
 def both(precision: str, steps: int, grad_accum: int = 1, **train_kwargs) -> tuple[tuple, tuple, dict]:
@@ -115,10 +130,11 @@ def test_speculation_kept_gives_the_pipelined_update_bit_for_bit(precision, grad
 
 @pytest.mark.numeric
 def test_chunks_not_started_at_the_step_are_left_to_the_update_and_the_result_is_the_same():
-    """A speculation slower than the backward (each chunk's Adam slowed here; on a GPU, a model whose CPU Adam
-    outlasts its backward): at the step the chunks not yet started are the update's, run beside the next
-    forward in its order, and the rest kept: still the pipelined update's bits."""
-    import time
+    """A speculation slower than the backward (on a GPU, a model whose CPU Adam outlasts its backward): at the
+    step the chunks not yet started are the update's, run beside the next forward in its order. Here step 3's
+    speculation is held behind a job in the update's thread until its step has been taken, so all its chunks
+    are left to the update; the other steps are drained and kept: still the pipelined update's bits."""
+    import threading
 
     plain = make_engine("fp32", speculative=False)
     try:
@@ -126,21 +142,25 @@ def test_chunks_not_started_at_the_step_are_left_to_the_update_and_the_result_is
     finally:
         plain.close()
     engine = make_engine("fp32", speculative=True)
-    adam = engine.overlap._adam
-
-    def slow(*args, **kwargs):
-        time.sleep(0.002)
-        adam(*args, **kwargs)
-
-    engine.overlap._adam = slow
     try:
-        got = train(engine, 4)
-        totals = engine.overlap.speculation.totals
+        losses, left = [], {}
+        for step in range(1, 5):  # train()'s batches
+            gate = threading.Event()
+            if step == 3:
+                engine.overlap._pool.submit(gate.wait, 60)  # ahead of step 3's speculation in the one thread
+            loss = engine.forward(fixed_batch(step))
+            engine.backward(loss)
+            if step != 3:
+                drain(engine)
+            engine.step()  # step 3: no speculative job has started, all are cancelled and left to the update
+            gate.set()
+            left = dict(engine.overlap.speculation.this_step) if step == 3 else left
+            losses.append(loss.item())
+        got = (losses, states(engine))
     finally:
-        engine.overlap._adam = adam
         engine.close()
     assert identical(want, got)
-    assert totals["unstarted_chunks"] > 0 and totals["speculated_chunks"] > 0 and totals["rolled_back_chunks"] == 0
+    assert left["unstarted_chunks"] > 20 and left["speculated_chunks"] == 0 and left["rolled_back_chunks"] == 0
 
 
 def test_the_undo_inverts_one_adamw_step_to_fp32_rounding():
@@ -224,7 +244,7 @@ def test_a_backward_whose_step_never_comes_is_undone_before_anything_reads_the_s
         train(engine, 2)
         before = tuple(t.clone() for t in _master_and_moments(engine))
         engine.backward(engine.forward(fixed_batch(9)))  # speculates; no step follows
-        engine.overlap.speculation._settle()  # (what sync does first) every speculated chunk has run
+        drain(engine)
         assert not torch.equal(before[0], _master_and_moments(engine)[0])
         engine.sync_weights()
         assert _undone(_master_and_moments(engine), before)
@@ -249,6 +269,7 @@ def test_a_failed_speculation_is_undone_and_raised_at_the_step():
 
         engine.overlap._adam = failing
         engine.backward(engine.forward(fixed_batch(9)))
+        drain(engine)
         with pytest.raises(RuntimeError, match="injected speculative Adam failure"):
             engine.step()
         assert _undone(_master_and_moments(engine), before)
