@@ -32,8 +32,9 @@ class StepLog:
         }
         if engine.loss_scale is not None:
             record["loss_scale"] = engine.loss_scale
-        if engine.grad_norm is not None:
-            record["grad_norm"] = engine.grad_norm
+        grad_norm = engine.grad_norm  # read once: it may be a GPU scalar
+        if grad_norm is not None:
+            record["grad_norm"] = grad_norm
         # the overlapped update's thread time, its wait and (speculation) counters: why a step was slow
         record.update({f"update_{k}": v for k, v in engine.update_timing.items()})
         # the first and last steps always: `fitone report` starts and ends where TrainResult does

@@ -89,6 +89,15 @@ def fixed_batch(step: int, vocab: int = 256) -> dict:
             "labels": torch.randint(3, vocab, (4, 6), generator=g)}
 
 
+def drain(engine) -> None:
+    """Wait until every chunk the backward handed to --speculative-update's Adam has run (errors stay in their
+    futures): the backward may end first, and the step would leave the rest to the update; waiting makes what is
+    speculated independent of the machine's speed."""
+    speculation = getattr(engine.overlap, "speculation", None)
+    for future in list(speculation._futures if speculation is not None else []):
+        future.exception()
+
+
 def weights(engine) -> dict:
     """A copy of the engine module's parameters, by name."""
     return {k: v.detach().clone() for k, v in engine.module.named_parameters()}

@@ -304,15 +304,16 @@ class PipelinedUpdate(OverlappedStep):
 
     def _launch(self, norm: torch.Tensor | None, hyper: list[dict[str, Any]], deepspeeds: bool = False) -> None:
         """Start the update in the thread; `deepspeeds`: with DeepSpeed's unscale/clip and CPU Adam."""
+        combined = self._combined_scale(norm)  # loss scale x clip factor, what the kernels divide by
         if self.rounding is not None:  # the 16-bit arithmetic from the first step on
-            kernel, scale = self._adam_16bit, self._combined_scale(norm)
+            kernel, scale = self._adam_16bit, combined
         elif deepspeeds:
             kernel, scale = self._deepspeeds_adam, norm
         else:
-            kernel, scale = self._adam, self._combined_scale(norm)
+            kernel, scale = self._adam, combined
         kept, speculated = frozenset(), {}
         if self.speculation is not None:  # what it ran exactly as `kernel` will is kept, the rest undone (sync drops)
-            clipped = norm is not None and self._combined_scale(norm) != self._combined_scale(None)
+            clipped = combined != self._combined_scale(None)
             kept, speculated = self.speculation.resolve(kernel, scale, hyper, clipped), dict(self.speculation.this_step)
         self.sync()  # the previous update is complete (the forward and backward since needed all of it)
         grads = None if self.host is not None else [p.grad for p in self.opt.single_partition_of_fp32_groups]

@@ -82,7 +82,7 @@ def undo_adamw(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Te
     `exp_avg` and `exp_avg_sq` from their old values to these with `grad` divided by `grad_scale` at `step`. Exact
     up to fp32 rounding: a few ulps of the step's inputs (an ulp of the new state, divided by beta)."""
     beta1, beta2 = betas
-    g = grad.float() if grad.dtype != torch.float32 else grad.clone()
+    g = grad.to(torch.float32, copy=True)  # the buffer is the gradient the update may still read
     if grad_scale is not None:
         g.div_(grad_scale)
     step_size = lr / (1 - beta1 ** step)
@@ -119,6 +119,7 @@ class Speculation:
         self._events: dict[Hashable, Any] = {}  # on a GPU: each parameter's boundary copy, recorded
         self.armed = False
         self.last_clipped = False  # the last step clipped: the next one is not speculated
+        self._after_clipping = False  # this step's backward was not speculated for that (counted at the step)
         # what this step's speculation ran with (set when armed)
         self._kernel, self._scale, self._hyper, self._steps, self._poisoned = None, None, [], [], False
         # cumulative, and this step's (the update's timing dict gets the latter)
@@ -142,12 +143,13 @@ class Speculation:
         a pipelined one on existing states (not one of DeepSpeed's first `after`) and the last step did not clip."""
         self.drop()
         self.this_step = self._counters()
+        self._after_clipping = False
         upd, opt = self.update, self.update.opt
         states = [opt.optimizer.state.get(m, {}) for m in opt.single_partition_of_fp32_groups]
         if upd.applied < upd.after or any("step" not in s for s in states):
             return
-        if self.last_clipped:
-            self._count("steps_after_clipping", 1)
+        if self.last_clipped:  # (counted once a step, at `resolve`: with accumulation each micro-batch arms)
+            self._after_clipping = True
             return
         self._scale = upd._combined_scale(None)  # what the update divides by when clipping does not fire
         self._hyper = upd.hyperparameters()
@@ -211,6 +213,8 @@ class Speculation:
         """At the update's launch, before it counts the step, with what it will run (`clipped`: this step clips):
         the (group, chunk)s whose Adam already ran exactly so (the update skips their Adam); every other
         speculated chunk is undone."""
+        if self._after_clipping:
+            self._count("steps_after_clipping", 1)
         self.last_clipped = clipped
         opt = self.update.opt
         steps = [opt.optimizer.state.get(m, {}).get("step", 0) + 1 for m in opt.single_partition_of_fp32_groups]

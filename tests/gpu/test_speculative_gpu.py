@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import weights
+from conftest import drain, weights
 from gpu_lane import gpu_engine, lm_batch, masters, needs_cuda, record
 
 pytestmark = [pytest.mark.gpu, needs_cuda]
@@ -27,8 +27,7 @@ def run(precision: str, *, speculative: bool, grad_accum: int) -> tuple[list[flo
             for micro in range(grad_accum):
                 loss = engine.forward(lm_batch(step + 1000 * micro))
                 engine.backward(loss)
-                for future in list(engine.overlap.speculation._futures if speculative else []):
-                    future.exception()  # so what is speculated does not depend on the GPU's and CPU's speeds
+                drain(engine)  # so what is speculated does not depend on the GPU's and CPU's speeds
                 engine.step()
                 micro_losses.append(loss.detach())
             losses.append(float(torch.stack(micro_losses).float().mean().item()))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import cpu_config, fixed_batch, tiny_engine
+from conftest import cpu_config, drain, fixed_batch, tiny_engine
 from fitone.engine import Engine
 from fitone.errors import ConfigError
 from fitone.zero2.speculative import ChunkTracker, undo_adamw
@@ -35,14 +35,6 @@ def make_engine(precision: str, *, speculative: bool, grad_accum: int = 1, clip:
                                      host=engine.host, speculative=speculative)
     engine.optimizer.clip_grad = clip
     return engine
-
-
-def drain(engine: Engine) -> None:
-    """Wait until every chunk the backward handed to the speculation has run (errors stay in their futures):
-    on a shared CPU the backward may end first, and the step would leave the rest to the update."""
-    speculation = getattr(engine.overlap, "speculation", None)
-    for future in list(speculation._futures if speculation is not None else []):
-        future.exception()
 
 
 def train(engine: Engine, steps: int, grad_accum: int = 1, inf_at: int | None = None, clip_at: int | None = None,
