@@ -64,8 +64,9 @@ def measure_fitone(job: dict[str, Any]) -> Iterator[dict[str, Any]]:
         built.append((end_init(), getattr(engine, "init_peak_gpu_bytes", None)))
         emit(PARTIAL, {"phase": "steps"})
 
-    cfg = train_config(job, size, max_steps=warm + timed + extra, **options)
-    with timed_engines(detail_from=warm + timed if extra else None, on_built=on_built,
+    profile = (warm + timed + extra, job["profile"]) if job.get("profile") else None  # one more step
+    cfg = train_config(job, size, max_steps=warm + timed + extra + (profile is not None), **options)
+    with timed_engines(detail_from=warm + timed if extra else None, on_built=on_built, profile=profile,
                        on_start=lambda: emit(PARTIAL, {"phase": "engine init"})) as timers:
         emit(PARTIAL, {"phase": "fitone setup (model build)"})
         t0 = time.perf_counter()
@@ -87,6 +88,9 @@ def measure_fitone(job: dict[str, Any]) -> Iterator[dict[str, Any]]:
            **loss_fields(list(result.losses))}
     if timer is not None:
         rec.update(split_fields(timer, warm, warm + timed))
+        # each timed step's phases and the update's counters, to tell which steps are slow and why
+        rec["per_step"] = [{"step_s": round(t, 4), "applied": ok, **{k: round(v, 4) for k, v in s.items()}}
+                           for t, ok, s in zip(times, timer.applied[warm:], timer.steps[warm:])]
     if built:
         rec["peak_gpu_init_gib"], own = built[-1]
         rec["engine_init_peak_gpu_gib"] = round(own / GIB, 3) if own is not None else None

@@ -98,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--split-steps", type=int, default=1,
                    help="extra steps after the timed ones, with a sync around each part of the step, for the "
                         "forward/backward/transfer/CPU-Adam/upload split (0: no split)")
+    p.add_argument("--profile", action="store_true",
+                   help="fitone tools: one more step after the timed ones under torch.profiler, its Chrome trace "
+                        "and kernel table beside the results (<out stem>-<tool>-b<size>.trace.json.gz / .table.txt)")
     p.add_argument("--no-activation-checkpointing", dest="activation_checkpointing", action="store_false")
     p.add_argument("--quick", action="store_true",
                    help=f"{QUICK['model']}, batches {QUICK['batch_sizes']}, tools {','.join(QUICK['tools'])}, "
@@ -337,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
         log_dir = out.parent / f"{out.stem}-logs" if args.log_dir == "auto" else Path(args.log_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
     jobs = plan_jobs(args)
+    for job in jobs if args.profile else []:
+        if job["tool"].startswith("fitone"):
+            job["profile"] = str(out.parent / f"{out.stem}-{job['tool']}-b{'-'.join(map(str, job['sizes']))}")
     print(f"bench: {len(jobs)} child runs of {args.model} {args.precision} on {gpu}, cap {args.cap}; "
           f"results -> {out}", flush=True)
     signal.signal(signal.SIGTERM, _interrupt)

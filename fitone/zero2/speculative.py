@@ -11,7 +11,9 @@ scale, a step that never comes) undoes it: the AdamW step is inverted in place f
 the old ones to a few fp32 roundings (tests/zero2/test_speculative.py bounds them), and the update then redoes
 those chunks. Two rules keep the undo rare and possible: a step is not speculated when the last one clipped
 (clipping tends to persist, and each undo costs about one Adam pass), and a chunk whose gradient is not finite
-is not speculated (an inf cannot be inverted; the update treats it as without speculation).
+is not speculated (an inf cannot be inverted; the update treats it as without speculation). Finiteness is read on
+the device, per parameter, as its gradient goes to the host (its extremes, beside the copy): on the host it cost
+~20% of a chunk's Adam (bench/NOTES.md, 2026-12-04d).
 """
 
 from __future__ import annotations
@@ -114,9 +116,15 @@ class Speculation:
         self.tracker = ChunkTracker(update.chunks, spans)
         self._lock = threading.Lock()  # the copies may come from autograd's device thread
         self._futures: list[Future] = []
-        self._ready: list[tuple[int, int, int, int, list[Any]]] = []  # chunks to speculate, lowest first (a heap)
+        # chunks to speculate, lowest first (a heap): group, chunk, bounds, copy events, extremes rows
+        self._ready: list[tuple[int, int, int, int, list[Any], list[int]]] = []
         self._outstanding: list[tuple[int, int, int, int]] = []  # (group, chunk, lo, hi) whose Adam ran early
         self._events: dict[Hashable, Any] = {}  # on a GPU: each parameter's boundary copy, recorded
+        # each parameter's gradient extremes (min, max), copied to the host beside its gradient: its row here
+        self._row = {key: row for row, key in enumerate(spans)}
+        grads = update.host.gradients
+        self._extremes = torch.zeros(len(spans), 2, dtype=grads[0].dtype if grads else torch.float32,
+                                     pin_memory=update._side is not None)
         self.armed = False
         self.last_clipped = False  # the last step clipped: the next one is not speculated
         self._after_clipping = False  # this step's backward was not speculated for that (counted at the step)
@@ -161,10 +169,16 @@ class Speculation:
         self.armed = True
 
     def _copy_and_speculate(self, param: torch.nn.Parameter) -> None:
-        self._copy(param)
         if not self.armed:
+            self._copy(param)
             return
-        key = self.update.opt.get_param_id(param)
+        opt = self.update.opt
+        key = opt.get_param_id(param)
+        _, source, _, n = opt.grad_position[key]
+        if n:  # read before the copy, which lets the gradient go; the copy's event covers this one too
+            grad = opt.get_param_gradient_attribute(param).view(-1).narrow(0, source, n)
+            self._extremes[self._row[key]].copy_(torch.stack(torch.aminmax(grad)), non_blocking=True)
+        self._copy(param)
         event = None
         if self.update._side is not None:  # the copy is queued: the chunk's Adam waits for it
             event = torch.cuda.Event()
@@ -179,8 +193,9 @@ class Speculation:
                 return
             for i, c in done:
                 lo, hi = self.tracker.bounds(i, c)
-                events = [self._events[k] for k in self.tracker.members((i, c)) if self._events[k] is not None]
-                heapq.heappush(self._ready, (i, c, lo, hi, events))
+                members = self.tracker.members((i, c))
+                events = [self._events[k] for k in members if self._events[k] is not None]
+                heapq.heappush(self._ready, (i, c, lo, hi, events, [self._row[k] for k in members]))
                 self._futures.append(self.update._pool.submit(self._speculate))
 
     def _speculate(self) -> None:
@@ -190,16 +205,15 @@ class Speculation:
         with self._lock:
             if not self._ready:
                 return
-            i, c, lo, hi, events = heapq.heappop(self._ready)
+            i, c, lo, hi, events, rows = heapq.heappop(self._ready)
         upd = self.update
         for event in events:
             event.synchronize()
         if upd._side is not None:
             upd._side.synchronize()  # the last update's uploads have read the master this overwrites
         t0 = time.perf_counter()
-        # one read of the gradient (an inf cannot be undone): its extremes are finite only if every element is
-        # (a sum into fp32 casts first, many times slower for fp16 than this)
-        if not all(math.isfinite(float(x)) for x in torch.aminmax(upd.host.gradients[i][lo:hi])):
+        # an inf cannot be undone: a chunk is speculated only if every overlapping gradient's extremes are finite
+        if not bool(torch.isfinite(self._extremes[rows]).all()):
             self._count("nonfinite_chunks", 1)
             return
         upd._adam_chunk(self._kernel, None, self._scale, self._hyper[i], self._steps[i], i, lo, hi)

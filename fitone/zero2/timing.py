@@ -151,15 +151,20 @@ class OptimizerDetail:
 _UPDATE_NAMES = {"adam_s": "update_cpu_adam_s", "thread_s": "update_thread_s", "wait_s": "update_wait_s",
                  # --speculative-update's (fitone.zero2.speculative): chunks whose Adam ran in the backward
                  "speculated_chunks": "update_speculated_chunks", "rolled_back_chunks": "update_rolled_back_chunks",
-                 "speculative_adam_s": "update_speculative_adam_s"}
+                 "speculative_adam_s": "update_speculative_adam_s", "unstarted_chunks": "update_unstarted_chunks",
+                 "nonfinite_chunks": "update_nonfinite_chunks", "steps_after_clipping": "update_steps_after_clipping",
+                 "undo_s": "update_undo_s"}
 
 
 class PhaseTimer:
     """One engine's phases, summed per optimizer step: `steps[i]` the times of step i, `applied[i]` whether it
     updated the weights (fp16 loss scaling skips some)."""
 
-    def __init__(self, optimizer: Any, sync: Sync, *, detail_from: int | None = None):
+    def __init__(self, optimizer: Any, sync: Sync, *, detail_from: int | None = None,
+                 profile: tuple[int, str] | None = None):
         self.optimizer, self.sync, self.detail_from = optimizer, sync, detail_from
+        self._profile_at, self._profile_out = profile if profile is not None else (None, None)
+        self._profiler: Any = None
         self.steps: list[dict[str, float]] = []
         self.applied: list[bool] = []
         self._times: dict[str, float] = defaultdict(float)
@@ -189,6 +194,25 @@ class PhaseTimer:
         self.steps.append(step)
         self.applied.append(applied)
         self._maybe_start_detail()
+        self._maybe_profile()
+
+    def _maybe_profile(self) -> None:
+        """torch.profiler over optimizer step `profile_at` (from the end of the step before to the end of its
+        own): a Chrome trace and a kernel table at `profile_out` + .trace.json.gz / .table.txt."""
+        if self._profile_at is None:
+            return
+        if self._profiler is None and len(self.steps) == self._profile_at:
+            import torch
+
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._profiler = torch.profiler.profile(activities=activities)
+            self._profiler.__enter__()
+        elif self._profiler is not None and len(self.steps) == self._profile_at + 1:
+            profiler, self._profiler, self._profile_at = self._profiler, None, None
+            profiler.__exit__(None, None, None)
+            _write_profile(profiler, self._profile_out)
 
     def detail_now(self) -> None:
         """Time ZeRO-2's parts from the next optimizer step on."""
@@ -200,16 +224,37 @@ class PhaseTimer:
             self._detail = OptimizerDetail(self.optimizer, self.sync)
 
     def close(self) -> None:
+        if self._profiler is not None:  # the run ended inside the profiled step
+            self._profiler.__exit__(None, None, None)
+            self._profiler = None
         if self._detail is not None:
             self._detail.restore()
             self._detail = None
         self.detail_from = self.optimizer = None  # the steps stay readable; the engine's memory can go
 
 
+def _write_profile(profiler: Any, out: str) -> None:
+    import gzip
+    import os
+    import tempfile
+
+    import torch
+
+    by = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    with open(out + ".table.txt", "w") as f:
+        f.write(profiler.key_averages().table(sort_by=by, row_limit=60))
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = os.path.join(tmp, "trace.json")
+        profiler.export_chrome_trace(raw)
+        with open(raw, "rb") as src, gzip.open(out + ".trace.json.gz", "wb") as dst:
+            dst.write(src.read())
+
+
 class _Session:
     def __init__(self, phases: bool, detail_from: int | None, on_start: Callable[[], None] | None,
-                 on_built: Callable[[Any], None] | None):
+                 on_built: Callable[[Any], None] | None, profile: tuple[int, str] | None = None):
         self.phases, self.detail_from, self.on_start, self.on_built = phases, detail_from, on_start, on_built
+        self.profile = profile
         self.timers: list[PhaseTimer] = []
 
 
@@ -218,11 +263,13 @@ _ACTIVE: ContextVar[_Session | None] = ContextVar("fitone_timed_engines", defaul
 
 @contextlib.contextmanager
 def timed_engines(*, phases: bool = True, detail_from: int | None = None, on_start: Callable[[], None] | None = None,
-                  on_built: Callable[[Any], None] | None = None) -> Iterator[list[PhaseTimer]]:
+                  on_built: Callable[[Any], None] | None = None,
+                  profile: tuple[int, str] | None = None) -> Iterator[list[PhaseTimer]]:
     """Time every Engine built inside (the list: their timers, in build order). `detail_from`: the optimizer
     step from which ZeRO-2's parts are timed too; `on_start()` runs as each Engine's construction begins and
-    `on_built(engine)` once it is built. phases=False: the two callbacks only, no timer and no syncs."""
-    session = _Session(phases, detail_from, on_start, on_built)
+    `on_built(engine)` once it is built; `profile` (step, path prefix): torch.profiler over that optimizer step
+    of the first engine. phases=False: the two callbacks only, no timer and no syncs."""
+    session = _Session(phases, detail_from, on_start, on_built, profile)
     token = _ACTIVE.set(session)
     try:
         yield session.timers
@@ -237,7 +284,8 @@ def timer_for(optimizer: Any, on_gpu: bool) -> PhaseTimer | None:
     session = _ACTIVE.get()
     if session is None or not session.phases:
         return None
-    timer = PhaseTimer(optimizer, device_sync(on_gpu), detail_from=session.detail_from)
+    profile = session.profile if not session.timers else None
+    timer = PhaseTimer(optimizer, device_sync(on_gpu), detail_from=session.detail_from, profile=profile)
     session.timers.append(timer)
     return timer
 
