@@ -19,6 +19,7 @@ FITONE_VARIANTS = {"fitone-delayed": {"delayed_update": True, "delayed_update_af
                    "fitone-pipelined": {"pipelined_update": True},
                    "fitone-deepspeed-step": {"pipelined_update": False},
                    "fitone-speculative": {"pipelined_update": True, "speculative_update": True}}
+SKIP_MARGIN = 3  # fp16: steps run beyond warm-up + timed, for the warm-up to go on over overflowed steps
 # fitone's defaults with Adam's 16-bit gradients widened in slices of this many elements (fitone.zero2.layout)
 WIDEN_VARIANTS = {"fitone-widen-2m": 2**21, "fitone-widen-8m": 2**23}
 
@@ -64,19 +65,26 @@ def measure_fitone(job: dict[str, Any]) -> Iterator[dict[str, Any]]:
         built.append((end_init(), getattr(engine, "init_peak_gpu_bytes", None)))
         emit(PARTIAL, {"phase": "steps"})
 
-    profile = (warm + timed + extra, job["profile"]) if job.get("profile") else None  # one more step
-    cfg = train_config(job, size, max_steps=warm + timed + extra + (profile is not None), **options)
-    with timed_engines(detail_from=warm + timed if extra else None, on_built=on_built, profile=profile,
+    # fp16's first steps overflow: the DeepSpeed loop keeps warming while the last step was skipped (run_steps),
+    # and so does this, from a few steps more (the window is chosen once the skips are known)
+    margin = SKIP_MARGIN if job["precision"] == "fp16" and warm else 0
+    profile = (warm + margin + timed + extra, job["profile"]) if job.get("profile") else None  # one more step
+    cfg = train_config(job, size, max_steps=warm + margin + timed + extra + (profile is not None), **options)
+    detail_from = warm + margin + timed  # the split's detail steps (DeepSpeed's step only), after any margin
+    with timed_engines(detail_from=detail_from if extra else None, on_built=on_built, profile=profile,
                        on_start=lambda: emit(PARTIAL, {"phase": "engine init"})) as timers:
         emit(PARTIAL, {"phase": "fitone setup (model build)"})
         t0 = time.perf_counter()
         result = fitone.train(cfg)
         wall = time.perf_counter() - t0
     timer = timers[-1] if timers else None
-    times = list(result.step_times)[warm:warm + timed]
-    skipped = None
-    if timer is not None and len(timer.applied) == len(result.step_times):
-        skipped = [not ok for ok in timer.applied[warm:warm + timed]]
+    every = list(result.step_times)
+    skipped_all = ([not ok for ok in timer.applied] if timer is not None and len(timer.applied) == len(every)
+                   else [False] * len(every))
+    first = warm
+    while first < warm + margin and skipped_all[first - 1]:
+        first += 1
+    times, skipped = every[first:first + timed], skipped_all[first:first + timed]
     rec = {"batch_size": size, "params": params, "op_load_s": op_load_s,
            **summarise(times, skipped, size * result.grad_accum),
            **gpu_peaks(),
@@ -86,11 +94,13 @@ def measure_fitone(job: dict[str, Any]) -> Iterator[dict[str, Any]]:
            "update": result.update, "delayed_update": result.update == "delayed",
            "pipelined_update": result.update == "pipelined",
            **loss_fields(list(result.losses))}
+    rec["warmup_used"] = first
     if timer is not None:
-        rec.update(split_fields(timer, warm, warm + timed))
-        # each timed step's phases and the update's counters, to tell which steps are slow and why
+        rec.update(split_fields(timer, first, first + timed, detail=(detail_from, detail_from + extra)))
+        # each timed step's phases and the update's counters (those of the update that completed in it: the
+        # last step's), to tell which steps are slow and why
         rec["per_step"] = [{"step_s": round(t, 4), "applied": ok, **{k: round(v, 4) for k, v in s.items()}}
-                           for t, ok, s in zip(times, timer.applied[warm:], timer.steps[warm:])]
+                           for t, ok, s in zip(times, timer.applied[first:], timer.steps[first:])]
     if built:
         rec["peak_gpu_init_gib"], own = built[-1]
         rec["engine_init_peak_gpu_gib"] = round(own / GIB, 3) if own is not None else None

@@ -24,14 +24,16 @@ from _tools_child import emit, end_init, median_parts, PARTIAL
 COARSE = ("forward_s", "backward_s", "optimizer_s")
 
 
-def split_fields(timer: Any, first: int, last: int, init_peak_gib: float | None = None) -> dict[str, Any]:
+def split_fields(timer: Any, first: int, last: int, init_peak_gib: float | None = None,
+                 detail: tuple[int, int] | None = None) -> dict[str, Any]:
     """split = medians of the timed steps [first, last) that were applied (the update_* keys over those that
-    have them); split_detail = medians of the detail steps after them."""
+    have them); split_detail = medians of the detail steps (`detail`: their range; default every step after)."""
     steps, applied = timer.steps, timer.applied
+    lo, hi = detail if detail is not None else (last, len(steps))
     timed = [s for s, ok in zip(steps[first:last], applied[first:last]) if ok]
     coarse = [{k: v for k, v in s.items() if k in COARSE} for s in timed]
     updates = [u for u in ({k: v for k, v in s.items() if k.startswith("update_")} for s in timed) if u]
-    detail = [s for s, ok in zip(steps[last:], applied[last:]) if ok]
+    detail = [s for s, ok in zip(steps[lo:hi], applied[lo:hi]) if ok]
     out: dict[str, Any] = {"peak_gpu_init_gib": init_peak_gib} if init_peak_gib is not None else {}
     if coarse:
         out["split"] = median_parts(coarse)
@@ -39,7 +41,7 @@ def split_fields(timer: Any, first: int, last: int, init_peak_gib: float | None 
             out["split"].update(median_parts(updates))
     if detail:
         out["split_detail"] = median_parts(detail)
-    elif steps[last:]:
+    elif steps[lo:hi]:
         out["split_detail_note"] = "every detail step was skipped (fp16 overflow)"
     return out
 

@@ -29,6 +29,9 @@ from typing import Any, Hashable
 import torch
 
 UNDO_SCRATCH_BYTES = 8  # per element of the chunk being undone: its fp32 gradient and Adam's denominator
+# cores the speculative Adam leaves to the backward beside it (autograd's thread launches its kernels and runs the
+# gradient hooks); with every core in Adam's OpenMP team the backward ran ~0.2 s longer (bench/NOTES.md, 2026-12-04e)
+SPARE_CORES = 1
 
 
 class ChunkTracker:
@@ -133,6 +136,7 @@ class Speculation:
         # cumulative, and this step's (the update's timing dict gets the latter)
         self.totals = self._counters()
         self.this_step = self._counters()
+        self._threads = torch.get_num_threads()  # the update's OpenMP team; the speculation's leaves SPARE_CORES
         self._copy = opt.async_inplace_copy_grad_to_fp32_buffer_from_gpu  # the lean layout's boundary copy
         opt.async_inplace_copy_grad_to_fp32_buffer_from_gpu = self._copy_and_speculate  # on this optimizer only
 
@@ -201,7 +205,15 @@ class Speculation:
     def _speculate(self) -> None:
         """In the update's thread (after the last update, which the pool runs first): Adam on the first waiting
         chunk in the forward's order, if finite. The ones the backward delivers last are the first layers', which
-        the next forward needs first; what is left at the step is the last layers', which it needs last."""
+        the next forward needs first; what is left at the step is the last layers', which it needs last. Its
+        OpenMP team (this thread's own setting) leaves SPARE_CORES to the backward; the update gets all back."""
+        torch.set_num_threads(max(1, self._threads - SPARE_CORES))
+        try:
+            self._speculate_one()
+        finally:
+            torch.set_num_threads(self._threads)
+
+    def _speculate_one(self) -> None:
         with self._lock:
             if not self._ready:
                 return
