@@ -207,15 +207,16 @@ def run_child(command: list[str], *, timeout: float, **options) -> subprocess.Co
 @pytest.fixture(scope="session")
 def deepspeed_ops_built() -> Path:
     """The JIT ops (DeepSpeed's cpu_adam and shm_comm, by a tiny engine here; fitone's fused 16-bit and exact fp32
-    steps) built before a test whose child may be cut short by a timeout or a budget: a child stopped mid-build
-    leaves a half-built extension behind."""
+    steps and its GIL-releasing call of DeepSpeed's Adam) built before a test whose child may be cut short by a
+    timeout or a budget: a child stopped mid-build leaves a half-built extension behind."""
     from fitone import extensions
-    from fitone.zero2 import adam32, low_precision
+    from fitone.zero2 import adam32, cpu_adam, low_precision
 
     if not all(extensions.is_built(name) for name in extensions.OPS if name not in extensions.NATIVE_OPS):
         tiny_engine().close()
     low_precision.fused_op()
     adam32.available()
+    cpu_adam.load_op()
     return extensions.extensions_root()
 
 

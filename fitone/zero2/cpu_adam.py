@@ -1,10 +1,57 @@
-"""DeepSpeedCPUAdam's C++ state that no checkpoint holds (DeepSpeed 0.19.8: `ds_opt_adam`, `opt_id`)."""
+"""DeepSpeedCPUAdam's C++ step (DeepSpeed 0.19.8: `ds_opt_adam`, `opt_id`): its state that no checkpoint holds,
+and `adam_update`, the same call with the GIL released (csrc/ds_adam.cpp) for the pipelined update's thread."""
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from fitone import extensions
+
+OP = "fitone_ds_adam"  # built once per CPU into TORCH_EXTENSIONS_DIR (extensions.build_name)
+_SOURCE = Path(__file__).parent / "csrc" / "ds_adam.cpp"
+ENABLED = True  # tests set it False to hold the GIL-releasing call to DeepSpeed's own
+
+
+def load_op() -> Any:
+    """The binding's module, built on this machine's first call (extensions.load_native)."""
+    return extensions.load_native(OP, _SOURCE)
+
+
+@functools.cache
+def _bound(library: str) -> Any:
+    """The GIL-releasing binding to DeepSpeed's loaded cpu_adam `library`, or None (said once) where it cannot be."""
+    try:
+        op = load_op()
+        if op.bind(library):
+            return op
+        reason = f"no {library} loaded, or no ds_adam_step in it"
+    except Exception as error:  # no compiler, no headers: DeepSpeed's own call still runs
+        reason = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+    extensions._say(f"could not bind {extensions.OPS[OP]} ({reason}): the first steps' Adam holds the GIL, "
+                    "and the next forward waits for it")
+    return None
+
+
+def releasing_op(adam: Any) -> Any:
+    """The binding `adam_update` will use for DeepSpeedCPUAdam `adam` (built on this machine's first call), or
+    None: DeepSpeed's own call."""
+    library = getattr(getattr(adam, "ds_opt_adam", None), "__file__", None)
+    return _bound(library) if ENABLED and library else None
+
+
+def adam_update(adam: Any, step: int, hyper: dict[str, Any], params: torch.Tensor, grads: torch.Tensor,
+                exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor) -> None:
+    """DeepSpeedCPUAdam's C++ update of `params` and its moments from fp32 `grads` (one group's `hyper`), in
+    DeepSpeed's own library; with the GIL released where the binding is built, so that a thread running it
+    leaves the main thread free to launch kernels."""
+    beta1, beta2 = hyper["betas"]
+    call = releasing_op(adam) or adam.ds_opt_adam
+    call.adam_update(adam.opt_id, step, hyper["lr"], beta1, beta2, hyper["eps"], hyper["weight_decay"],
+                     hyper["bias_correction"], params, grads, exp_avg, exp_avg_sq)
 
 
 def replay_steps(adam: Any) -> None:

@@ -5,9 +5,9 @@
 - `DelayedUpdate` (experimental, fitone.zero2.delayed): step N's update runs beside step N+1's forward and
   backward, whose gradients are therefore taken at weights one update old; it trains worse (README).
 
-Both decide the overflow, loss scale and gradient norm on the main thread where DeepSpeed decides them,
-and run PyTorch's fused CPU AdamW on DeepSpeedCPUAdam's states: DeepSpeed's `adam_update` holds the GIL,
-which would stall the main thread's kernel launches. Measurements: bench/NOTES.md.
+Both decide the overflow, loss scale and gradient norm on the main thread where DeepSpeed decides them;
+the thread's Adam releases the GIL (DeepSpeed's own `adam_update` holds it: fitone.zero2.cpu_adam), so the
+main thread launches kernels meanwhile. Measurements: bench/NOTES.md.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from fitone.zero2 import adam32, low_precision, ranks
+from fitone.zero2 import adam32, cpu_adam, low_precision, ranks
 from fitone.zero2 import speculative as speculative_update
 from fitone.zero2.layout import CHUNK_ELEMENTS, module_needs
 
@@ -231,6 +231,7 @@ class PipelinedUpdate(OverlappedStep):
             self.close()
             raise ValueError("the speculative update runs on one rank's lean layout with fp32 optimizer states only")
         self.host = host
+        cpu_adam.releasing_op(optimizer.optimizer)  # built here (first run of a machine), not in the update thread
         # the fp32 Adam reads the 16-bit gradients as they are (fitone.zero2.adam32), unless its op cannot be built
         self.reads_16bit = (host is not None and host.widens and self.rounding is None
                             and all(adam32.reads(g.dtype) for g in host.gradients))
@@ -342,10 +343,8 @@ class PipelinedUpdate(OverlappedStep):
         opt.unscale_and_clip_grads([grad], norm)
         master = opt.single_partition_of_fp32_groups[i]
         state = adam.state[master]
-        beta1, beta2 = hyper["betas"]
-        adam.ds_opt_adam.adam_update(adam.opt_id, step, hyper["lr"], beta1, beta2, hyper["eps"],
-                                     hyper["weight_decay"], hyper["bias_correction"], master.data[lo:hi], grad,
-                                     state["exp_avg"][lo:hi], state["exp_avg_sq"][lo:hi])
+        cpu_adam.adam_update(adam, step, hyper, master.data[lo:hi], grad, state["exp_avg"][lo:hi],
+                             state["exp_avg_sq"][lo:hi])
 
     def _adam_16bit(self, i: int, grad: torch.Tensor, scale: float | None, hyper: dict[str, Any], step: int,
                     lo: int, hi: int) -> None:

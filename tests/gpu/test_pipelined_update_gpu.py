@@ -12,6 +12,8 @@ import torch
 from conftest import weights
 from gpu_lane import LR, gpu_engine, masters, needs_cuda, record, train_step
 
+from fitone.zero2 import cpu_adam
+
 pytestmark = [pytest.mark.gpu, needs_cuda]
 
 STEPS = 20
@@ -36,6 +38,8 @@ def run(precision: str, *, pipelined: bool, grad_accum: int) -> tuple[list[float
     try:
         if pipelined:
             assert len(engine.overlap.chunks[0]) > 1  # several chunks: later ones land while the forward runs
+            # DeepSpeed's Adam of the first applied steps runs in the thread with the GIL released
+            assert cpu_adam.releasing_op(engine.optimizer.optimizer) is not None
         assert engine.optimizer.single_partition_of_fp32_groups[0].is_pinned()  # what the uploads read
         if pipelined:  # the lean layout's 16-bit gradients, page-locked in place: what the boundary copies write
             assert all(g.is_pinned() and g.dtype == engine.optimizer.dtype for g in engine.host.gradients)
