@@ -81,9 +81,7 @@ def measure_fitone(job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     every = list(result.step_times)
     skipped_all = ([not ok for ok in timer.applied] if timer is not None and len(timer.applied) == len(every)
                    else [False] * len(every))
-    first = warm
-    while first < warm + margin and skipped_all[first - 1]:
-        first += 1
+    first = timed_window(skipped_all, warm, margin)
     times, skipped = every[first:first + timed], skipped_all[first:first + timed]
     rec = {"batch_size": size, "params": params, "op_load_s": op_load_s,
            **summarise(times, skipped, size * result.grad_accum),
@@ -105,6 +103,15 @@ def measure_fitone(job: dict[str, Any]) -> Iterator[dict[str, Any]]:
         rec["peak_gpu_init_gib"], own = built[-1]
         rec["engine_init_peak_gpu_gib"] = round(own / GIB, 3) if own is not None else None
     yield rec
+
+
+def timed_window(skipped: list[bool], warm: int, margin: int) -> int:
+    """The first timed step of a run whose length was fixed in advance: after `warm` steps, and up to `margin`
+    more while the step before it was skipped (run_steps' rule for the loops that decide as they go)."""
+    first = warm
+    while first < warm + margin and skipped[first - 1]:
+        first += 1
+    return first
 
 
 def measure_deepspeed(job: dict[str, Any]) -> Iterator[dict[str, Any]]:

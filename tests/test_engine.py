@@ -75,7 +75,7 @@ def test_expandable_segments_are_switched_on_unless_the_user_configured_the_allo
     assert memory.use_expandable_segments(False) and len(calls) == 1
 
 
-def _three_steps(timed: bool, phases: bool = True, **engine_options):
+def _three_steps(timed: bool, phases: bool = True, profile=None, **engine_options):
     """(losses, weights, timers, callbacks seen) of three steps of the tiny engine, with the timing hook or without."""
     import contextlib
 
@@ -84,7 +84,7 @@ def _three_steps(timed: bool, phases: bool = True, **engine_options):
 
     built: list = []
     hook = timed_engines(phases=phases, detail_from=2, on_start=lambda: built.append("start"),
-                         on_built=built.append) if timed else contextlib.nullcontext([])
+                         on_built=built.append, profile=profile) if timed else contextlib.nullcontext([])
     with hook as timers:
         engine = tiny_engine(**engine_options)
         try:
@@ -136,3 +136,24 @@ def test_the_phase_timer_keeps_an_overlapped_updates_counters_once_each():
     assert updates, timer.steps
     for step in updates:
         assert 0 < step["update_cpu_adam_s"] <= step["update_thread_s"] and step["update_wait_s"] >= 0
+
+
+def test_the_profile_covers_the_one_step_asked_for_and_writes_its_table_and_trace(tmp_path):
+    """timed_engines(profile=(1, prefix)): torch.profiler over the second optimizer step only, its kernel table
+    and a gzipped Chrome trace written when that step ends; the weights match the unprofiled run's."""
+    import gzip
+    import json
+
+    import torch
+
+    _, plain, *_ = _three_steps(timed=True)
+    prefix = str(tmp_path / "step1")
+    _, got, (timer,), _, _ = _three_steps(timed=True, profile=(1, prefix))
+    assert all(torch.equal(got[k], plain[k]) for k in got) and len(timer.steps) == 3
+    table = (tmp_path / "step1.table.txt").read_text()
+    assert "Self CPU" in table and "aten::" in table
+    with gzip.open(tmp_path / "step1.trace.json.gz", "rt") as f:
+        events = json.load(f)["traceEvents"]
+    assert any(e.get("name", "").startswith("aten::") for e in events)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step1.table.txt", "step1.trace.json.gz"]
+    assert timer._profiler is None and timer._profile_at is None  # closed after the one step; not reopened

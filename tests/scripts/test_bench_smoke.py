@@ -114,6 +114,17 @@ def test_each_loop_records_where_a_step_goes(smoke):
         assert detail["cpu_adam_s"] > 0  # DeepSpeedCPUAdam really ran in the detail step
 
 
+def test_fitone_records_each_timed_steps_phases_and_where_its_window_began(smoke):
+    _, records, _ = smoke
+    fit = records[0]
+    assert fit["tool"] == "fitone" and fit["warmup_used"] == 1  # fp32: no skipped step, so no margin
+    assert [s["step_s"] for s in fit["per_step"]] == pytest.approx(fit["step_times"], abs=1e-3)
+    for step in fit["per_step"]:
+        assert step["applied"] is True and all(step[k] > 0 for k in ("forward_s", "backward_s", "optimizer_s"))
+    # the loops this harness drives start their window after --warmup 1 too (HF Trainer's own loop records none)
+    assert [r["warmup_used"] for r in records if r["tool"] != "hf-trainer"] == [1, 1, 1]
+
+
 def test_child_logs_and_table_are_written(smoke):
     out, records, stdout = smoke
     logs = sorted(p.name for p in (out.parent / "results-logs").iterdir())

@@ -3,7 +3,7 @@
 # step was skipped, for every tool) + 20 timed steps and a split step: stock DeepSpeed, --speculative-update, the
 # plain all-GPU loop uncapped, then fitone's defaults with what is left of the budget. The ops are built first
 # (BUILD_OPS=1) and come back as ext.tgz for the next calls.
-BUILD_OPS=1 source bench/results/2026-12-05-gpu/prelude.sh
+BUILD_OPS=1 source bench/results/2026-12-06-gpu/prelude.sh
 W=/tmp/o1; mkdir -p $W/bench
 cp /tmp/build-*.log $W/ 2>/dev/null
 find fitone tests -type f \( -name "*.py" -o -name "*.cpp" -o -name "*.json" \) | LC_ALL=C sort | xargs sha256sum > $W/tree-sums.txt
