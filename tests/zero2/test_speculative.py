@@ -338,3 +338,30 @@ def test_the_plan_counts_the_undo_scratch_and_no_copy_of_the_states():
     scratch = next(c.bytes for c in with_it.host if c.name == "speculation undo scratch")
     assert scratch == UNDO_SCRATCH_BYTES * CHUNK_ELEMENTS and with_it.host_total == without.host_total + scratch
     assert "speculation undo scratch" not in {c.name for c in without.host}
+
+
+@pytest.mark.parametrize("spare, inside", [(1, 2), (8, 1)])
+def test_the_speculative_adam_leaves_spare_cores_to_the_backward_and_gives_them_back(monkeypatch, spare, inside):
+    """Its OpenMP team is the update's less SPARE_CORES (at least one thread), and the update thread's own
+    setting is restored after each chunk. The update's team is fixed at 3 here, whatever this CPU has."""
+    from fitone.zero2 import speculative
+
+    monkeypatch.setattr(speculative, "SPARE_CORES", spare)
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        engine = make_engine("fp32", speculative=True)
+        seen: list[int] = []
+        spec = engine.overlap.speculation
+        original = spec._speculate_one
+        monkeypatch.setattr(spec, "_speculate_one", lambda: (seen.append(torch.get_num_threads()), original()))
+        try:
+            train(engine, 3)
+            assert seen and set(seen) == {inside}, seen
+            assert spec.totals["speculated_chunks"] > 0  # the chunks really ran under that team
+            assert engine.overlap._pool.submit(torch.get_num_threads).result() == 3  # given back
+            assert torch.get_num_threads() == 3  # the caller's thread was never touched
+        finally:
+            engine.close()
+    finally:
+        torch.set_num_threads(before)
