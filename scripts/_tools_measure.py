@@ -34,7 +34,8 @@ def measure_fitone(job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     -8m widen Adam's 16-bit gradients in slices of that many elements instead of a whole chunk. The split
     detail only for DeepSpeed's step: an overlapped update's CPU work runs beside the next step's GPU work; its
     split has the update's own counters instead (update_cpu_adam_s, update_thread_s, update_wait_s; with
-    --speculative-update also update_speculated_chunks, update_rolled_back_chunks, update_speculative_adam_s).
+    --speculative-update also update_speculated_chunks, update_rolled_back_chunks, update_redone_chunks,
+    update_speculative_adam_s).
     With --grad-accum K, global_batch = micro x K: a step is K
     micro-batches. peak_gpu_init_gib is the harness's reading over fitone's whole Engine construction;
     engine_init_peak_gpu_gib fitone's own count where its Engine exposes one (init_peak_gpu_bytes).

@@ -73,8 +73,9 @@ FLAGS: dict[str, tuple[Any, str]] = {
                                            "rounding lost (bf16-kahan, 10 B/param)"),
     "speculative_update": (bool, "opt-in: in the pipelined update with fp32 optimizer states, run a chunk's CPU "
                                  "Adam during the backward once its gradients are on the host; kept where the "
-                                 "step then runs the same arithmetic (the same bits), else undone in place, to "
-                                 "fp32 rounding; not after a clipped step (docs/optimizer-step.md)"),
+                                 "step then runs the same arithmetic (the same bits); redone at the step's scale "
+                                 "where clipping fired, else undone in place, to fp32 rounding "
+                                 "(docs/optimizer-step.md)"),
     "ds_config": (str, "a DeepSpeed JSON file merged over the generated config"),
     "max_gpu_memory": (str, "cap the CUDA allocator, e.g. 23GiB, to stand for a smaller card"),
     "expandable_segments": (bool, "CUDA allocator with expandable segments (less fragmentation; unless "

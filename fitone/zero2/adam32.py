@@ -76,11 +76,27 @@ def adamw(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
     place, from `grad` (bf16, fp16 or fp32, read only) divided by `grad_scale`, bias-corrected at `step`: the bits
     PyTorch's kernel gives from `grad.float()` in one call on these tensors, under this process's capability. All
     tensors contiguous; the GIL is released meanwhile."""
+    _op(master, exp_avg, exp_avg_sq, grad, step, lr, betas, eps, weight_decay, grad_scale, adam_w_mode, 0.0)
+
+
+def redo_adamw(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor, *,
+               step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+               grad_scale: float | None, old_grad_scale: float | None, adam_w_mode: bool = True) -> None:
+    """Redo, in one pass, a step these states took from `grad` at `old_grad_scale`, now at `grad_scale` (same step
+    and hyperparameters): block by block, fitone.zero2.speculative.undo_adamw's inverse (exact to a few fp32
+    roundings), then `adamw`'s bits on what it gave back."""
+    _op(master, exp_avg, exp_avg_sq, grad, step, lr, betas, eps, weight_decay, grad_scale, adam_w_mode,
+        1.0 if old_grad_scale is None else old_grad_scale)
+
+
+def _op(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor, step: int,
+        lr: float, betas: tuple[float, float], eps: float, weight_decay: float, grad_scale: float | None,
+        adam_w_mode: bool, undo_scale: float) -> None:
     fused, lanes, tail_vector = ARITHMETIC[_capability()]
     beta1, beta2 = betas
     extensions.load_native(OP, _SOURCE).adamw(
         master, exp_avg, exp_avg_sq, grad, lr, beta1, beta2, weight_decay, eps, float(step), adam_w_mode,
-        1.0 if grad_scale is None else grad_scale, grad_scale is not None, fused, lanes, tail_vector)
+        1.0 if grad_scale is None else grad_scale, grad_scale is not None, fused, lanes, tail_vector, undo_scale)
 
 
 def torch_adamw(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor, *,

@@ -254,6 +254,7 @@ class PipelinedUpdate(OverlappedStep):
         self._hooks = [m.register_forward_pre_hook(self._pre_forward(needs))
                        for m, needs in module_needs(optimizer, model, self.ranks.sizes)]
         self._kept: frozenset[tuple[int, int]] = frozenset()  # (group, chunk)s whose Adam speculation ran
+        self._redo: frozenset[tuple[int, int]] = frozenset()  # (group, chunk)s it ran at another scale
         self._speculated: dict[str, float] = {}  # the pending update's speculation counters (timing dict)
         self.speculation = speculative_update.Speculation(self) if speculative else None
 
@@ -312,10 +313,10 @@ class PipelinedUpdate(OverlappedStep):
             kernel, scale = self._deepspeeds_adam, norm
         else:
             kernel, scale = self._adam, combined
-        kept, speculated = frozenset(), {}
-        if self.speculation is not None:  # what it ran exactly as `kernel` will is kept, the rest undone (sync drops)
-            clipped = combined != self._combined_scale(None)
-            kept, speculated = self.speculation.resolve(kernel, scale, hyper, clipped), dict(self.speculation.this_step)
+        kept, redo, speculated = frozenset(), frozenset(), {}
+        if self.speculation is not None:  # what it ran as `kernel` will is kept or redone, the rest undone (sync drops)
+            kept, redo = self.speculation.resolve(kernel, scale, hyper)
+            speculated = dict(self.speculation.this_step)
         self.sync()  # the previous update is complete (the forward and backward since needed all of it)
         grads = None if self.host is not None else [p.grad for p in self.opt.single_partition_of_fp32_groups]
         self._release_step_buffers()
@@ -330,7 +331,7 @@ class PipelinedUpdate(OverlappedStep):
         if self._side is not None:  # the copies must not overwrite weights the last backward still reads
             done = torch.cuda.Event()
             done.record()
-        self._kept, self._speculated = kept, speculated
+        self._kept, self._redo, self._speculated = kept, redo, speculated
         self.pending = self._pool.submit(self._cpu_update, kernel, grads, scale, hyper, steps, done)
 
     def _deepspeeds_adam(self, i: int, grad: torch.Tensor, norm: torch.Tensor | None, hyper: dict[str, Any],
@@ -371,13 +372,15 @@ class PipelinedUpdate(OverlappedStep):
                 self._side.wait_event(backward_done)
             start = time.perf_counter()
             adam_s = 0.0
-            k, kept = 0, self._kept  # k: chunks uploaded, alternating the two landing buffers
+            k, kept, redo = 0, self._kept, self._redo  # k: chunks uploaded, alternating the two landing buffers
             for i, master in enumerate(opt.single_partition_of_fp32_groups):
                 target = self.ranks.own(i)
                 lo = 0
                 for c, hi in enumerate(self.chunks[i]):
                     t0 = time.perf_counter()
-                    if (i, c) not in kept:  # a kept speculation already ran this very Adam on the chunk
+                    if (i, c) in redo:  # speculated at another scale (clipping fired, a new loss scale)
+                        self.speculation.redo(scale, i, lo, hi)
+                    elif (i, c) not in kept:  # a kept speculation already ran this very Adam on the chunk
                         self._adam_chunk(kernel, grads, scale, hyper[i], steps[i], i, lo, hi)
                     adam_s += time.perf_counter() - t0
                     if self._side is not None:  # the side stream runs chunks in order: a landing buffer is

@@ -5,13 +5,14 @@ the boundary micro-batch's backward. Here a chunk's Adam runs during that backwa
 soon as every gradient overlapping the chunk has reached the host: the same kernel on the same arguments the
 pipelined update would give it, with the scale it gives when clipping does not fire (the loss scale). At the step
 the speculation is kept where it ran exactly what the update runs (same kernel, scale, hyperparameters and step
-count): those chunks are the pipelined update's, bit for bit. Anything else (clipping, an overflow, a new loss
-scale, a step that never comes) undoes it: the AdamW step is inverted in place from the same gradient
-(`undo_adamw`), so no copy of the states is kept and every chunk can be speculated; the states it gives back are
-the old ones to a few fp32 roundings (tests/zero2/test_speculative.py bounds them), and the update then redoes
-those chunks. Two rules keep the undo rare and possible: a step is not speculated when the last one clipped
-(clipping tends to persist, and each undo costs about one Adam pass), and a chunk whose gradient is not finite
-is not speculated (an inf cannot be inverted; the update treats it as without speculation). Finiteness is read on
+count): those chunks are the pipelined update's, bit for bit. Where only the scale differs (clipping fired, or a
+new loss scale) the update redoes the chunk in its thread, beside the next forward: the AdamW step is inverted in
+place from the same gradient (`undo_adamw`'s arithmetic) and taken again at the right scale, block by block in one
+pass where fitone.zero2.adam32 runs (`redo_adamw`), else undone and run again. Anything else (an overflow, a step
+that never comes, another kernel) undoes it at the step. No copy of the states is kept, so every chunk can be
+speculated; the states an undo gives back are the old ones to a few fp32 roundings (tests/zero2/test_speculative.py
+bounds them). A chunk whose gradient is not finite is not speculated (an inf cannot be inverted; the update treats
+it as without speculation). Finiteness is read on
 the device, per parameter, as its gradient goes to the host (its extremes, beside the copy): on the host it cost
 ~20% of a chunk's Adam (bench/NOTES.md, 2026-12-04d).
 """
@@ -27,6 +28,8 @@ from concurrent.futures import Future
 from typing import Any, Hashable
 
 import torch
+
+from fitone.zero2 import adam32
 
 UNDO_SCRATCH_BYTES = 8  # per element of the chunk being undone: its fp32 gradient and Adam's denominator
 # cores the speculative Adam leaves to the backward beside it (autograd's thread launches its kernels and runs the
@@ -129,8 +132,6 @@ class Speculation:
         self._extremes = torch.zeros(len(spans), 2, dtype=grads[0].dtype if grads else torch.float32,
                                      pin_memory=update._side is not None)
         self.armed = False
-        self.last_clipped = False  # the last step clipped: the next one is not speculated
-        self._after_clipping = False  # this step's backward was not speculated for that (counted at the step)
         # what this step's speculation ran with (set when armed)
         self._kernel, self._scale, self._hyper, self._steps, self._poisoned = None, None, [], [], False
         # cumulative, and this step's (the update's timing dict gets the latter)
@@ -143,7 +144,7 @@ class Speculation:
     @staticmethod
     def _counters() -> dict[str, float]:
         return {"speculated_chunks": 0, "rolled_back_chunks": 0, "unstarted_chunks": 0, "nonfinite_chunks": 0,
-                "steps_after_clipping": 0, "speculative_adam_s": 0.0, "undo_s": 0.0}
+                "redone_chunks": 0, "speculative_adam_s": 0.0, "undo_s": 0.0}
 
     def _count(self, name: str, value: float) -> None:
         self.this_step[name] += value
@@ -152,16 +153,12 @@ class Speculation:
     # -- during the backward ----------------------------------------------------------------------------
     def arm(self) -> None:
         """Before a backward: undo anything unresolved, then speculate in this backward if its step will be
-        a pipelined one on existing states (not one of DeepSpeed's first `after`) and the last step did not clip."""
+        a pipelined one on existing states (not one of DeepSpeed's first `after`)."""
         self.drop()
         self.this_step = self._counters()
-        self._after_clipping = False
         upd, opt = self.update, self.update.opt
         states = [opt.optimizer.state.get(m, {}) for m in opt.single_partition_of_fp32_groups]
         if upd.applied < upd.after or any("step" not in s for s in states):
-            return
-        if self.last_clipped:  # (counted once a step, at `resolve`: with accumulation each micro-batch arms)
-            self._after_clipping = True
             return
         self._scale = upd._combined_scale(None)  # what the update divides by when clipping does not fire
         self._hyper = upd.hyperparameters()
@@ -234,29 +231,48 @@ class Speculation:
         self._count("speculative_adam_s", time.perf_counter() - t0)  # read by the main thread once settled
 
     # -- at the step -------------------------------------------------------------------------------------
-    def resolve(self, kernel: Any, scale: float | None, hyper: list[dict[str, Any]],
-                clipped: bool = False) -> frozenset[tuple[int, int]]:
-        """At the update's launch, before it counts the step, with what it will run (`clipped`: this step clips):
-        the (group, chunk)s whose Adam already ran exactly so (the update skips their Adam); every other
-        speculated chunk is undone."""
-        if self._after_clipping:
-            self._count("steps_after_clipping", 1)
-        self.last_clipped = clipped
+    def resolve(self, kernel: Any, scale: float | None, hyper: list[dict[str, Any]]
+                ) -> tuple[frozenset[tuple[int, int]], frozenset[tuple[int, int]]]:
+        """At the update's launch, before it counts the step, with what it will run: the (group, chunk)s whose Adam
+        already ran exactly so (the update skips their Adam), and those that ran so but at another scale (the
+        update `redo`es them); every other speculated chunk is undone."""
         opt = self.update.opt
         steps = [opt.optimizer.state.get(m, {}).get("step", 0) + 1 for m in opt.single_partition_of_fp32_groups]
         error = self._settle()
-        same = (error is None and not self._poisoned and kernel == self._kernel and scale == self._scale)
-        kept = [e for e in self._outstanding
-                if same and hyper[e[0]] == self._hyper[e[0]] and steps[e[0]] == self._steps[e[0]]]
-        self._finish(kept, error)
-        return frozenset((i, c) for i, c, *_ in kept)
+        same = error is None and not self._poisoned and kernel == self._kernel
+        matched = [e for e in self._outstanding
+                   if same and hyper[e[0]] == self._hyper[e[0]] and steps[e[0]] == self._steps[e[0]]]
+        self._finish(matched, error)
+        chunks = frozenset((i, c) for i, c, *_ in matched)
+        if scale == self._scale:
+            return chunks, frozenset()
+        self._count("redone_chunks", len(chunks))
+        return frozenset(), chunks
+
+    def redo(self, scale: float | None, i: int, lo: int, hi: int) -> None:
+        """In the update's thread: elements [lo, hi) of group i, speculated at the old scale, stepped again at
+        `scale` (the one `resolve` found to differ), from the gradient still in the host buffer."""
+        upd = self.update
+        adam = upd.opt.optimizer
+        master = upd.opt.single_partition_of_fp32_groups[i]
+        state, hyper = adam.state[master], self._hyper[i]
+        if adam32.available():
+            adam32.redo_adamw(master.data[lo:hi], state["exp_avg"][lo:hi], state["exp_avg_sq"][lo:hi],
+                              upd.host.gradients[i][lo:hi], step=self._steps[i], lr=hyper["lr"],
+                              betas=hyper["betas"], eps=hyper["eps"], weight_decay=hyper["weight_decay"],
+                              grad_scale=scale, old_grad_scale=self._scale,
+                              adam_w_mode=getattr(adam, "adam_w_mode", True))
+        else:  # undone, then the update's own Adam on the chunk
+            self._undo([(i, -1, lo, hi)])
+            upd._adam_chunk(self._kernel, None, scale, hyper, self._steps[i], i, lo, hi)
 
     def drop(self) -> None:
         """Undo every unresolved speculation (an overflowed step, a backward whose step never came)."""
         self._finish([], self._settle())
 
     def _finish(self, kept: list[tuple[int, int, int, int]], error: BaseException | None) -> None:
-        """Undo every outstanding chunk not `kept`, count them, then raise what the thread raised."""
+        """Undo every outstanding chunk not `kept` (kept as they are or redone by the update), count them, then
+        raise what the thread raised."""
         rolled = [e for e in self._outstanding if e not in kept]
         self._undo(rolled)
         self._count("speculated_chunks", len(self._outstanding))

@@ -152,7 +152,7 @@ _UPDATE_NAMES = {"adam_s": "update_cpu_adam_s", "thread_s": "update_thread_s", "
                  # --speculative-update's (fitone.zero2.speculative): chunks whose Adam ran in the backward
                  "speculated_chunks": "update_speculated_chunks", "rolled_back_chunks": "update_rolled_back_chunks",
                  "speculative_adam_s": "update_speculative_adam_s", "unstarted_chunks": "update_unstarted_chunks",
-                 "nonfinite_chunks": "update_nonfinite_chunks", "steps_after_clipping": "update_steps_after_clipping",
+                 "nonfinite_chunks": "update_nonfinite_chunks", "redone_chunks": "update_redone_chunks",
                  "undo_s": "update_undo_s"}
 
 

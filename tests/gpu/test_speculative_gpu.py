@@ -46,8 +46,8 @@ def test_the_speculation_kept_on_the_gpu_is_the_pipelined_update_bit_for_bit(pre
            losses_speculative=got_losses)
     assert want_losses[-1] < 0.8 * want_losses[0], want_losses  # every update moves the loss
     assert totals["speculated_chunks"] >= STEPS - 1  # it ran on the GPU's copies, every pipelined step
-    if totals["rolled_back_chunks"]:  # fp16: a loss-scale overflow after the first step (its speculation undone)
-        assert precision == "fp16" and totals["nonfinite_chunks"] > 0
+    if totals["rolled_back_chunks"] or totals["redone_chunks"]:  # fp16: an overflow (undone) or a new loss scale
+        assert precision == "fp16" and (totals["nonfinite_chunks"] > 0 or totals["redone_chunks"] > 0)
         first = next(k for k, (a, b) in enumerate(zip(got_losses, want_losses)) if a != b)
         assert first > 1 and all(abs(a - b) <= 1e-2 * abs(b) for a, b in zip(got_losses, want_losses))
         return

@@ -88,7 +88,7 @@ def test_the_capabilities_differ_so_the_choice_matters():
         states = [t.clone() for t in (master, exp_avg, exp_avg_sq)]
         fused, lanes, tail = adam32.ARITHMETIC[row]
         adam32.extensions.load_native(adam32.OP, adam32._SOURCE).adamw(
-            *states, grad, 1e-3, 0.9, 0.999, 0.01, 1e-8, 3.0, True, 1.0, False, fused, lanes, tail)
+            *states, grad, 1e-3, 0.9, 0.999, 0.01, 1e-8, 3.0, True, 1.0, False, fused, lanes, tail, 0.0)
         runs.append(states)
     assert not torch.equal(runs[0][1], runs[1][1])
 

@@ -1,8 +1,8 @@
 """The speculative CPU Adam (fitone.zero2.speculative) on real DeepSpeed ZeRO-2 CPU-offload engines: where its
 speculation is kept, every step's loss and the final fp32 master weights and Adam moments are the pipelined
-update's, bit for bit; where it is undone (clipping, an overflow, a new loss scale, a step that never comes), AdamW
-is inverted in place, so from that step on the run is the pipelined update's within the fp32 rounding bounds the
-pipelined update itself is held to against DeepSpeed's step (tests/tolerance.py).
+update's, bit for bit; where it is redone (clipping, a new loss scale) or undone (an overflow, a step that never
+comes), AdamW is inverted in place, so from that step on the run is the pipelined update's within the fp32
+rounding bounds the pipelined update itself is held to against DeepSpeed's step (tests/tolerance.py).
 
 Tiny T5 on the CPU, the update in 4096-element chunks so the model has many. What cannot be shown here is the
 speed: on a GPU the speculation runs while the GPU computes the backward; here both share the same cores.
@@ -92,20 +92,25 @@ def identical(plain: tuple, speculated: tuple) -> bool:
     return losses_a == losses_b and all(torch.equal(state_a[k], state_b[k]) for k in state_a)
 
 
-def within_rounding(plain: tuple, speculated: tuple, precision: str, *, undone_at: int, steps: int) -> bool:
-    """The runs' losses and final master weights no further apart than two implementations of the pipelined
-    update's arithmetic may drift from step `undone_at` (the first whose arithmetic differs) to `steps`."""
+def within_rounding(plain: tuple, speculated: tuple, precision: str, *, undone_at: int, steps: int,
+                    grad_accum: int = 1) -> bool:
+    """The runs' losses (one a micro-batch) and final master weights no further apart than two implementations of
+    the pipelined update's arithmetic may drift from step `undone_at` (the first whose arithmetic differs) to
+    `steps`."""
     (losses_a, state_a), (losses_b, state_b) = plain, speculated
-    if losses_a[:undone_at] != losses_b[:undone_at]:  # the undone step's own loss came before the undo
+    first = undone_at * grad_accum  # the undone step's own micro-batches came before its update
+    if losses_a[:first] != losses_b[:first]:
         return False
     drifting = steps - undone_at + 1
+    loss_drift = bf16_loss_drift if precision == "bf16" else fp32_loss_drift
+    drifted = apart(losses_b, losses_a, lambda w, k: loss_drift(w, -(-k // grad_accum)),  # k micro-batches: steps
+                    first_differing_step=first + 1)
     if precision == "bf16":
-        return (apart(losses_b, losses_a, bf16_loss_drift, first_differing_step=undone_at + 1) == []
-                and all(float((state_b[k].bfloat16().float() - v.bfloat16().float()).abs().max())
-                        <= bf16_weight_drift(v, drifting) for k, v in state_a.items() if k.startswith("master")))
-    return (apart(losses_b, losses_a, fp32_loss_drift, first_differing_step=undone_at + 1) == []
-            and all(float((state_b[k] - v).abs().max()) <= adam_weight_drift(v, drifting, LR)
-                    for k, v in state_a.items() if k.startswith("master")))
+        return drifted == [] and all(float((state_b[k].bfloat16().float() - v.bfloat16().float()).abs().max())
+                                     <= bf16_weight_drift(v, drifting) for k, v in state_a.items()
+                                     if k.startswith("master"))
+    return drifted == [] and all(float((state_b[k] - v).abs().max()) <= adam_weight_drift(v, drifting, LR)
+                                 for k, v in state_a.items() if k.startswith("master"))
 
 
 @pytest.mark.numeric
@@ -177,14 +182,52 @@ def test_the_undo_inverts_one_adamw_step_to_fp32_rounding():
                 assert not torch.equal(after, was)  # the step moved them
 
 
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("adam_w_mode, weight_decay", [(True, 0.01), (False, 0.01), (True, 0.0)])
+def test_the_one_pass_redo_is_the_undo_then_the_step(grad_dtype, adam_w_mode, weight_decay):
+    """fitone.zero2.adam32.redo_adamw (a step taken at one scale, redone at another) against undo_adamw then
+    adam32's step at the new scale: the same states to the undo's bound, on a size with a scalar tail."""
+    from fitone.zero2 import adam32
+
+    if not adam32.available():
+        pytest.skip("fitone.zero2.adam32 does not run under this CPU's PyTorch capability")
+    torch.manual_seed(1)
+    n = 3 * 4096 + 21
+    hyper = dict(step=5, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=weight_decay, adam_w_mode=adam_w_mode)
+    start = (torch.randn(n), torch.randn(n) * 1e-3, torch.rand(n) * 1e-6)
+    grad = (torch.randn(n) * 1e-3 * 1024).to(grad_dtype)
+    for old, new in ((1024.0, 4096.0), (None, 2.5)):
+        speculated = [t.clone() for t in start]
+        adam32.adamw(*speculated, grad, grad_scale=old, **hyper)
+        redone = [t.clone() for t in speculated]
+        adam32.redo_adamw(*redone, grad, grad_scale=new, old_grad_scale=old, **hyper)
+        want = [t.clone() for t in speculated]
+        undo_adamw(*want, grad, grad_scale=old, **hyper)
+        adam32.adamw(*want, grad, grad_scale=new, **hyper)
+        for ours, theirs, between in zip(redone, want, speculated):
+            assert float((ours - theirs).abs().max()) <= 2 * EPS["fp32"] * float(between.abs().max())
+        assert not torch.equal(redone[0], speculated[0])  # the scale moved the step
+
+
 @pytest.mark.numeric
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_a_clipped_step_undoes_its_speculation_and_the_next_step_does_not_speculate(precision):
-    plain, speculated, counts = both(precision, steps=5, clip_at=3)
-    assert within_rounding(plain, speculated, precision, undone_at=3, steps=5)
-    assert counts["rolled_back_chunks"] > 20 and counts["undo_s"] > 0  # step 3's chunks, all of them
-    assert counts["steps_after_clipping"] == 1  # step 4 (after the clipped one) ran as without speculation
-    assert counts["speculated_chunks"] > counts["rolled_back_chunks"]  # steps 2 and 5 kept theirs
+@pytest.mark.parametrize("precision, grad_accum", [("fp32", 1), ("bf16", 1), ("bf16", 3)])
+@pytest.mark.parametrize("fused", [True, False], ids=["redo-fused", "undo-then-adam"])
+def test_a_clipped_step_redoes_its_speculation_in_the_update_and_the_next_step_speculates(
+        precision, grad_accum, fused, monkeypatch):
+    """Step 3 clips: its speculation (at the loss scale) is redone at the clipped scale in the update's thread, by
+    fitone.zero2.adam32's one-pass redo or, where that op does not run, undone and stepped again; steps 4 and 5
+    speculate and keep theirs."""
+    from fitone.zero2 import adam32
+
+    if fused and not adam32.available():
+        pytest.skip("fitone.zero2.adam32 does not run under this CPU's PyTorch capability")
+    monkeypatch.setattr(adam32, "ENABLED", fused)
+    plain, speculated, counts = both(precision, steps=5, grad_accum=grad_accum, clip_at=3)
+    assert within_rounding(plain, speculated, precision, undone_at=3, steps=5, grad_accum=grad_accum)
+    assert counts["redone_chunks"] > 20 and counts["rolled_back_chunks"] == 0  # step 3's chunks, none undone
+    assert counts["undo_s"] > 0 if not fused else counts["undo_s"] == 0
+    assert counts["speculated_chunks"] >= 4 * 20  # steps 2-5, step 4 (after the clipped one) too
+    assert counts["last_timing"]["speculated_chunks"] > 20 and counts["last_timing"]["redone_chunks"] == 0
 
 
 @pytest.mark.numeric
@@ -198,11 +241,11 @@ def test_an_overflowed_step_undoes_its_speculation_and_the_next_step_speculates_
 
 
 @pytest.mark.numeric
-def test_a_loss_scale_changed_at_the_step_undoes_its_speculation():
+def test_a_loss_scale_changed_at_the_step_redoes_its_speculation():
     plain, speculated, counts = both("fp32", steps=5, rescale_at=3)
     assert within_rounding(plain, speculated, "fp32", undone_at=3, steps=5)
-    assert counts["rolled_back_chunks"] > 20  # step 3's: speculated at scale 1, stepped at 2
-    assert counts["speculated_chunks"] - counts["rolled_back_chunks"] > 2 * 20  # steps 2, 4, 5 (at 2) kept
+    assert counts["redone_chunks"] > 20 and counts["rolled_back_chunks"] == 0  # step 3's: at scale 1, stepped at 2
+    assert counts["speculated_chunks"] - counts["redone_chunks"] > 2 * 20  # steps 2, 4, 5 (at 2) kept
 
 
 def test_no_speculation_in_deepspeeds_first_steps():

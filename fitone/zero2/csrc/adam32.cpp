@@ -92,25 +92,55 @@ void block(float* __restrict__ P, float* __restrict__ M, float* __restrict__ V, 
     }
 }
 
-// block() over [lo, hi), through the L1 buffer where the gradient is fp16
+// The inverse of one step (fitone.zero2.speculative's undo_adamw, in the same order of operations): the old master
+// and moments back from the new ones and the same gradient at scale `u.scale`, to a few fp32 roundings. Not bit
+// for bit with anything, so no FMA choice: the speculation's tests bound it.
+struct Undo {
+    float scale, decay, wd, beta1, one_minus_beta1, beta2, c2, bc2_sqrt, eps, step_size;
+};
+
+template <typename grad_t, Decay DECAY>
+void undo_block(float* __restrict__ P, float* __restrict__ M, float* __restrict__ V, const grad_t* __restrict__ G,
+                int64_t lo, int64_t hi, const Undo& u)
+{
+    for (int64_t k = lo; k < hi; ++k) {
+        const float g0 = widen(G[k]) / u.scale;
+        const float m = M[k], v = V[k];
+        float p = P[k] + u.step_size * m / (std::sqrt(v) / u.bc2_sqrt + u.eps);  // before the moments: it read these
+        if (DECAY == ADAMW_DECAY) p = p / u.decay;
+        const float g = DECAY == ADAM_DECAY ? g0 + p * u.wd : g0;  // Adam's L2 term on the old weights
+        P[k] = p;
+        M[k] = (m - u.one_minus_beta1 * g) / u.beta1;
+        V[k] = std::max((v - u.c2 * g * g) / u.beta2, 0.0f);
+    }
+}
+
+// block() over [lo, hi), through the L1 buffer where the gradient is fp16; with `undo`, each block is first taken
+// back one step (from the same gradient at the undo's scale) while it is in cache: a redo costs one pass, not two
 template <typename grad_t, bool SCALE, Decay DECAY, Arith A>
-void span(float* P, float* M, float* V, const grad_t* G, int64_t lo, int64_t hi, const Hyper& h)
+void span(float* P, float* M, float* V, const grad_t* G, int64_t lo, int64_t hi, const Hyper& h,
+          const Undo* undo = nullptr)
 {
     if constexpr (std::is_same_v<grad_t, _Float16>) {
         alignas(64) float buf[BLOCK];
         for (int64_t a = lo; a < hi; a += BLOCK) {
             const int64_t n = std::min(hi, a + BLOCK) - a;
             widen_block(G + a, buf, n);
+            if (undo) undo_block<float, DECAY>(P + a, M + a, V + a, buf, 0, n, *undo);
             block<float, SCALE, DECAY, A>(P + a, M + a, V + a, buf, 0, n, h);
         }
     } else {
-        block<grad_t, SCALE, DECAY, A>(P, M, V, G, lo, hi, h);
+        for (int64_t a = lo; a < hi; a += BLOCK) {
+            const int64_t b = std::min(hi, a + BLOCK);
+            if (undo) undo_block<grad_t, DECAY>(P, M, V, G, a, b, *undo);
+            block<grad_t, SCALE, DECAY, A>(P, M, V, G, a, b, h);
+        }
     }
 }
 
 template <typename grad_t, bool SCALE, Decay DECAY>
 void regions(float* P, float* M, float* V, const grad_t* G, int64_t n, const Hyper& h, Arith body, int64_t lanes,
-             int64_t tail_vector)
+             int64_t tail_vector, const Undo* undo)
 {
     // PyTorch's vector loop covers whole vectors of the call's elements; its scalar tail the rest, of which its
     // compiler vectorized whole runs of `tail_vector` (AVX512: one 8-lane epilogue) with the vector loop's arithmetic
@@ -119,34 +149,35 @@ void regions(float* P, float* M, float* V, const grad_t* G, int64_t n, const Hyp
     at::parallel_for(0, (body_end + BLOCK - 1) / BLOCK, 16, [&](int64_t first, int64_t last) {
         for (int64_t b = first; b < last; ++b) {
             const int64_t lo = b * BLOCK, hi = std::min(body_end, lo + BLOCK);
-            if (body == PLAIN) span<grad_t, SCALE, DECAY, PLAIN>(P, M, V, G, lo, hi, h);
-            else span<grad_t, SCALE, DECAY, VECTOR>(P, M, V, G, lo, hi, h);
+            if (body == PLAIN) span<grad_t, SCALE, DECAY, PLAIN>(P, M, V, G, lo, hi, h, undo);
+            else span<grad_t, SCALE, DECAY, VECTOR>(P, M, V, G, lo, hi, h, undo);
         }
     });
-    if (body == PLAIN) return span<grad_t, SCALE, DECAY, PLAIN>(P, M, V, G, body_end, n, h);
-    span<grad_t, SCALE, DECAY, VECTOR>(P, M, V, G, body_end, vector_end, h);
-    span<grad_t, SCALE, DECAY, SCALAR>(P, M, V, G, vector_end, n, h);
+    if (body == PLAIN) return span<grad_t, SCALE, DECAY, PLAIN>(P, M, V, G, body_end, n, h, undo);
+    span<grad_t, SCALE, DECAY, VECTOR>(P, M, V, G, body_end, vector_end, h, undo);
+    span<grad_t, SCALE, DECAY, SCALAR>(P, M, V, G, vector_end, n, h, undo);
 }
 
 template <typename grad_t>
 void dispatch(float* P, float* M, float* V, const grad_t* G, int64_t n, const Hyper& h, bool scale, Decay decay,
-              Arith body, int64_t lanes, int64_t tail_vector)
+              Arith body, int64_t lanes, int64_t tail_vector, const Undo* u)
 {
     if (scale) {
-        if (decay == ADAMW_DECAY) return regions<grad_t, true, ADAMW_DECAY>(P, M, V, G, n, h, body, lanes, tail_vector);
-        if (decay == ADAM_DECAY) return regions<grad_t, true, ADAM_DECAY>(P, M, V, G, n, h, body, lanes, tail_vector);
-        return regions<grad_t, true, NO_DECAY>(P, M, V, G, n, h, body, lanes, tail_vector);
+        if (decay == ADAMW_DECAY) return regions<grad_t, true, ADAMW_DECAY>(P, M, V, G, n, h, body, lanes, tail_vector, u);
+        if (decay == ADAM_DECAY) return regions<grad_t, true, ADAM_DECAY>(P, M, V, G, n, h, body, lanes, tail_vector, u);
+        return regions<grad_t, true, NO_DECAY>(P, M, V, G, n, h, body, lanes, tail_vector, u);
     }
-    if (decay == ADAMW_DECAY) return regions<grad_t, false, ADAMW_DECAY>(P, M, V, G, n, h, body, lanes, tail_vector);
-    if (decay == ADAM_DECAY) return regions<grad_t, false, ADAM_DECAY>(P, M, V, G, n, h, body, lanes, tail_vector);
-    regions<grad_t, false, NO_DECAY>(P, M, V, G, n, h, body, lanes, tail_vector);
+    if (decay == ADAMW_DECAY) return regions<grad_t, false, ADAMW_DECAY>(P, M, V, G, n, h, body, lanes, tail_vector, u);
+    if (decay == ADAM_DECAY) return regions<grad_t, false, ADAM_DECAY>(P, M, V, G, n, h, body, lanes, tail_vector, u);
+    regions<grad_t, false, NO_DECAY>(P, M, V, G, n, h, body, lanes, tail_vector, u);
 }
 
 // lr, betas, eps, weight_decay, step and scale as PyTorch's kernel takes them (doubles; its step a float, its
-// grad_scale an fp32 tensor), turned into fp32 constants by its expressions
-void adamw(torch::Tensor master, torch::Tensor exp_avg, torch::Tensor exp_avg_sq, torch::Tensor grad, double lr,
-           double beta1, double beta2, double weight_decay, double eps, double step, bool adam_w_mode, double scale,
-           bool has_scale, bool fused, int64_t lanes, int64_t tail_vector)
+// grad_scale an fp32 tensor), turned into fp32 constants by its expressions. `undo_scale` > 0: first take the
+// states back the step they took at that scale (same step, hyperparameters and gradient), block by block
+void step_op(torch::Tensor master, torch::Tensor exp_avg, torch::Tensor exp_avg_sq, torch::Tensor grad, double lr,
+             double beta1, double beta2, double weight_decay, double eps, double step, bool adam_w_mode, double scale,
+             bool has_scale, bool fused, int64_t lanes, int64_t tail_vector, double undo_scale)
 {
     const int64_t n = master.numel();
     for (const auto* t : {&master, &exp_avg, &exp_avg_sq}) {
@@ -165,6 +196,11 @@ void adamw(torch::Tensor master, torch::Tensor exp_avg, torch::Tensor exp_avg_sq
     Hyper h{float(scale), float(1 - lr * weight_decay), float(weight_decay), small ? w : w - 1.0f, small,
             float(beta2), float(1 - beta2), float(std::sqrt(bias_correction2)), float(eps),
             -float(lr / bias_correction1)};
+    // undo_adamw's constants (Python doubles, each rounded to fp32 where it meets a tensor)
+    Undo u{float(undo_scale), float(1 - lr * weight_decay), float(weight_decay), float(beta1), float(1 - beta1),
+           float(beta2), float(1 - beta2), float(std::sqrt(1 - std::pow(beta2, double(step)))), float(eps),
+           float(lr / (1 - std::pow(beta1, double(step))))};
+    const Undo* undo = undo_scale > 0 ? &u : nullptr;
     const Decay how = weight_decay == 0 ? NO_DECAY : adam_w_mode ? ADAMW_DECAY : ADAM_DECAY;
     const Arith body = fused ? VECTOR : PLAIN;
     auto* P = master.data_ptr<float>();
@@ -173,14 +209,14 @@ void adamw(torch::Tensor master, torch::Tensor exp_avg, torch::Tensor exp_avg_sq
     switch (grad.scalar_type()) {
         case torch::kBFloat16:
             dispatch(P, M, V, reinterpret_cast<const uint16_t*>(grad.data_ptr()), n, h, has_scale, how, body, lanes,
-                     tail_vector);
+                     tail_vector, undo);
             break;
         case torch::kHalf:
             dispatch(P, M, V, reinterpret_cast<const _Float16*>(grad.data_ptr()), n, h, has_scale, how, body, lanes,
-                     tail_vector);
+                     tail_vector, undo);
             break;
         case torch::kFloat:
-            dispatch(P, M, V, grad.data_ptr<float>(), n, h, has_scale, how, body, lanes, tail_vector);
+            dispatch(P, M, V, grad.data_ptr<float>(), n, h, has_scale, how, body, lanes, tail_vector, undo);
             break;
         default: TORCH_CHECK(false, "the gradient must be bf16, fp16 or fp32, not ", grad.scalar_type());
     }
@@ -191,6 +227,7 @@ void adamw(torch::Tensor master, torch::Tensor exp_avg, torch::Tensor exp_avg_sq
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
 {
     // the GIL is released: the pipelined update runs this in its thread beside the main thread's launches
-    m.def("adamw", &adamw, "PyTorch's fused CPU AdamW, bit for bit, from a 16-bit or fp32 gradient read as it is",
+    m.def("adamw", &step_op, "PyTorch's fused CPU AdamW, bit for bit, from a 16-bit or fp32 gradient read as it is; "
+          "with undo_scale > 0, after taking the states back the step they took at that scale",
           py::call_guard<py::gil_scoped_release>());
 }
