@@ -315,7 +315,8 @@ class PipelinedUpdate(OverlappedStep):
             kernel, scale = self._adam, combined
         kept, redo, speculated = frozenset(), frozenset(), {}
         if self.speculation is not None:  # what it ran as `kernel` will is kept or redone, the rest undone (sync drops)
-            kept, redo = self.speculation.resolve(kernel, scale, hyper)
+            clipped = self.opt.clip_grad > 0.0 and combined != self._combined_scale(None)
+            kept, redo = self.speculation.resolve(kernel, scale, hyper, clipped)
             speculated = dict(self.speculation.this_step)
         self.sync()  # the previous update is complete (the forward and backward since needed all of it)
         grads = None if self.host is not None else [p.grad for p in self.opt.single_partition_of_fp32_groups]

@@ -20,7 +20,6 @@ the device, per parameter, as its gradient goes to the host (its extremes, besid
 from __future__ import annotations
 
 import bisect
-import heapq
 import math
 import threading
 import time
@@ -35,6 +34,10 @@ UNDO_SCRATCH_BYTES = 8  # per element of the chunk being undone: its fp32 gradie
 # cores the speculative Adam leaves to the backward beside it (autograd's thread launches its kernels and runs the
 # gradient hooks); with every core in Adam's OpenMP team the backward ran ~0.2 s longer (bench/NOTES.md, 2026-12-04e)
 SPARE_CORES = 1
+# consecutive clipped steps after which the next is not speculated: a redo costs more than the Adam it replaces
+# (bench/results/2026-12-06b-cpu/), so where clipping persists (a random-init model's every step) the speculation
+# only adds work; the first unclipped step ends the streak, and the step after it speculates again
+CLIP_STREAK = 3
 
 
 class ChunkTracker:
@@ -106,6 +109,16 @@ def undo_adamw(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Te
     exp_avg_sq.addcmul_(g, g, value=-(1 - beta2)).div_(beta2).clamp_(min=0)
 
 
+def next_ready(ready: list[tuple[Any, ...]]) -> int:
+    """Which of the waiting chunks (group, chunk, lo, hi, copy events, ...; in the order the backward gave them)
+    to speculate next: the lowest whose copies have landed, else the first given, whose copies land first. Where
+    the GPU runs behind the host (a compute-bound backward: the hooks queue every copy early), the lowest waiting
+    chunk is the first layers', whose copies land last: waiting on it is the likely reason 224 of llama-7b's 232
+    chunks were left unstarted (bench/results/2026-12-06b-gpu/call2/llama-7b/; bench/NOTES.md, 2026-12-06)."""
+    landed = [k for k, entry in enumerate(ready) if all(event.query() for event in entry[4])]
+    return min(landed, key=lambda k: ready[k][:2]) if landed else 0
+
+
 class Speculation:
     """The speculative Adam of one PipelinedUpdate (`update`): armed before each backward, fed by the boundary
     copies of the gradients to the host, resolved at the step (`resolve` or `drop`)."""
@@ -122,7 +135,7 @@ class Speculation:
         self.tracker = ChunkTracker(update.chunks, spans)
         self._lock = threading.Lock()  # the copies may come from autograd's device thread
         self._futures: list[Future] = []
-        # chunks to speculate, lowest first (a heap): group, chunk, bounds, copy events, extremes rows
+        # chunks to speculate (`next_ready` picks): group, chunk, bounds, copy events, extremes rows
         self._ready: list[tuple[int, int, int, int, list[Any], list[int]]] = []
         self._outstanding: list[tuple[int, int, int, int]] = []  # (group, chunk, lo, hi) whose Adam ran early
         self._events: dict[Hashable, Any] = {}  # on a GPU: each parameter's boundary copy, recorded
@@ -132,6 +145,8 @@ class Speculation:
         self._extremes = torch.zeros(len(spans), 2, dtype=grads[0].dtype if grads else torch.float32,
                                      pin_memory=update._side is not None)
         self.armed = False
+        self.clip_streak = 0  # consecutive steps that clipped, up to the last one resolved
+        self._persisting = False  # this step's backward was not speculated for the streak (counted at the step)
         # what this step's speculation ran with (set when armed)
         self._kernel, self._scale, self._hyper, self._steps, self._poisoned = None, None, [], [], False
         # cumulative, and this step's (the update's timing dict gets the latter)
@@ -144,7 +159,7 @@ class Speculation:
     @staticmethod
     def _counters() -> dict[str, float]:
         return {"speculated_chunks": 0, "rolled_back_chunks": 0, "unstarted_chunks": 0, "nonfinite_chunks": 0,
-                "redone_chunks": 0, "speculative_adam_s": 0.0, "undo_s": 0.0}
+                "redone_chunks": 0, "steps_clipping_persisted": 0, "speculative_adam_s": 0.0, "undo_s": 0.0}
 
     def _count(self, name: str, value: float) -> None:
         self.this_step[name] += value
@@ -153,12 +168,16 @@ class Speculation:
     # -- during the backward ----------------------------------------------------------------------------
     def arm(self) -> None:
         """Before a backward: undo anything unresolved, then speculate in this backward if its step will be
-        a pipelined one on existing states (not one of DeepSpeed's first `after`)."""
+        a pipelined one on existing states (not one of DeepSpeed's first `after`) and clipping has not persisted
+        (CLIP_STREAK)."""
         self.drop()
         self.this_step = self._counters()
         upd, opt = self.update, self.update.opt
         states = [opt.optimizer.state.get(m, {}) for m in opt.single_partition_of_fp32_groups]
         if upd.applied < upd.after or any("step" not in s for s in states):
+            return
+        if self.clip_streak >= CLIP_STREAK:  # (counted once a step, at `resolve`: with accumulation each arms)
+            self._persisting = True
             return
         self._scale = upd._combined_scale(None)  # what the update divides by when clipping does not fire
         self._hyper = upd.hyperparameters()
@@ -196,14 +215,15 @@ class Speculation:
                 lo, hi = self.tracker.bounds(i, c)
                 members = self.tracker.members((i, c))
                 events = [self._events[k] for k in members if self._events[k] is not None]
-                heapq.heappush(self._ready, (i, c, lo, hi, events, [self._row[k] for k in members]))
+                self._ready.append((i, c, lo, hi, events, [self._row[k] for k in members]))
                 self._futures.append(self.update._pool.submit(self._speculate))
 
     def _speculate(self) -> None:
-        """In the update's thread (after the last update, which the pool runs first): Adam on the first waiting
-        chunk in the forward's order, if finite. The ones the backward delivers last are the first layers', which
-        the next forward needs first; what is left at the step is the last layers', which it needs last. Its
-        OpenMP team (this thread's own setting) leaves SPARE_CORES to the backward; the update gets all back."""
+        """In the update's thread (after the last update, which the pool runs first): Adam on the chunk
+        `next_ready` picks, if finite. Among landed chunks the first in the forward's order: the ones the backward
+        delivers last are the first layers', which the next forward needs first, so what is left at the step is
+        the last layers', which it needs last. Its OpenMP team (this thread's own setting) leaves SPARE_CORES to
+        the backward; the update gets all back."""
         torch.set_num_threads(max(1, self._threads - SPARE_CORES))
         try:
             self._speculate_one()
@@ -214,7 +234,7 @@ class Speculation:
         with self._lock:
             if not self._ready:
                 return
-            i, c, lo, hi, events, rows = heapq.heappop(self._ready)
+            i, c, lo, hi, events, rows = self._ready.pop(next_ready(self._ready))
         upd = self.update
         for event in events:
             event.synchronize()
@@ -231,11 +251,15 @@ class Speculation:
         self._count("speculative_adam_s", time.perf_counter() - t0)  # read by the main thread once settled
 
     # -- at the step -------------------------------------------------------------------------------------
-    def resolve(self, kernel: Any, scale: float | None, hyper: list[dict[str, Any]]
+    def resolve(self, kernel: Any, scale: float | None, hyper: list[dict[str, Any]], clipped: bool = False
                 ) -> tuple[frozenset[tuple[int, int]], frozenset[tuple[int, int]]]:
-        """At the update's launch, before it counts the step, with what it will run: the (group, chunk)s whose Adam
-        already ran exactly so (the update skips their Adam), and those that ran so but at another scale (the
-        update `redo`es them); every other speculated chunk is undone."""
+        """At the update's launch, before it counts the step, with what it will run (`clipped`: this step clips):
+        the (group, chunk)s whose Adam already ran exactly so (the update skips their Adam), and those that ran so
+        but at another scale (the update `redo`es them); every other speculated chunk is undone."""
+        if self._persisting:
+            self._count("steps_clipping_persisted", 1)
+            self._persisting = False
+        self.clip_streak = self.clip_streak + 1 if clipped else 0
         opt = self.update.opt
         steps = [opt.optimizer.state.get(m, {}).get("step", 0) + 1 for m in opt.single_partition_of_fp32_groups]
         error = self._settle()

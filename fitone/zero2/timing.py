@@ -153,7 +153,7 @@ _UPDATE_NAMES = {"adam_s": "update_cpu_adam_s", "thread_s": "update_thread_s", "
                  "speculated_chunks": "update_speculated_chunks", "rolled_back_chunks": "update_rolled_back_chunks",
                  "speculative_adam_s": "update_speculative_adam_s", "unstarted_chunks": "update_unstarted_chunks",
                  "nonfinite_chunks": "update_nonfinite_chunks", "redone_chunks": "update_redone_chunks",
-                 "undo_s": "update_undo_s"}
+                 "steps_clipping_persisted": "update_steps_clipping_persisted", "undo_s": "update_undo_s"}
 
 
 class PhaseTimer:

@@ -16,7 +16,7 @@ import torch
 from conftest import cpu_config, drain, fixed_batch, tiny_engine
 from fitone.engine import Engine
 from fitone.errors import ConfigError
-from fitone.zero2.speculative import ChunkTracker, undo_adamw
+from fitone.zero2.speculative import ChunkTracker, next_ready, undo_adamw
 from tolerance import EPS, adam_weight_drift, apart, bf16_loss_drift, bf16_weight_drift, fp32_loss_drift
 
 CHUNK = 4096
@@ -231,6 +231,38 @@ def test_a_clipped_step_redoes_its_speculation_in_the_update_and_the_next_step_s
 
 
 @pytest.mark.numeric
+def test_persistent_clipping_stops_the_speculation_until_a_step_does_not_clip():
+    """Every step clips (the tiny T5's norm is ~4, the max 1) until step 6: steps 2 and 3 are speculated and
+    redone, then CLIP_STREAK clipped steps in a row stop it (steps 4-6); step 6 does not clip, so step 7
+    speculates again and keeps it."""
+    from fitone.zero2.speculative import CLIP_STREAK
+
+    assert CLIP_STREAK == 3  # the step numbers below
+    runs, counts = [], {}
+    for speculative in (False, True):
+        engine = make_engine("fp32", speculative=speculative, clip=CLIP_AT)
+        try:
+            losses = []
+            for step in range(1, 8):
+                if step == 6:
+                    engine.optimizer.clip_grad = 1e6
+                loss = engine.forward(fixed_batch(step))
+                engine.backward(loss)
+                drain(engine)
+                engine.step()
+                losses.append(loss.item())
+            runs.append((losses, states(engine)))
+            if speculative:
+                counts = {**engine.overlap.speculation.totals, "last": dict(engine.overlap.speculation.this_step)}
+        finally:
+            engine.close()
+    assert within_rounding(runs[0], runs[1], "fp32", undone_at=2, steps=7)
+    assert counts["steps_clipping_persisted"] == 3 and counts["redone_chunks"] >= 2 * 20  # steps 2 and 3
+    assert counts["rolled_back_chunks"] == 0
+    assert counts["last"]["speculated_chunks"] > 20 and counts["last"]["redone_chunks"] == 0  # step 7 kept
+
+
+@pytest.mark.numeric
 def test_an_overflowed_step_undoes_its_speculation_and_the_next_step_speculates_again():
     plain, speculated, counts = both("bf16", steps=5, inf_at=3)
     assert within_rounding(plain, speculated, "bf16", undone_at=3, steps=5)
@@ -408,3 +440,25 @@ def test_the_speculative_adam_leaves_spare_cores_to_the_backward_and_gives_them_
             engine.close()
     finally:
         torch.set_num_threads(before)
+
+
+class _Copy:
+    """Stands in for a CUDA event of one gradient copy (the CPU has none): landed or not."""
+
+    def __init__(self, landed: bool):
+        self.landed = landed
+
+    def query(self) -> bool:
+        return self.landed
+
+
+def test_the_next_chunk_is_the_lowest_landed_else_the_first_given():
+    """A compute-bound backward on a GPU queues every copy before most land: the chunks come in the backward's
+    order (last layers first), and the lowest waiting one lands last."""
+    def chunk(c: int, *landed: bool) -> tuple:
+        return (0, c, 0, 1, [_Copy(x) for x in landed], [])
+
+    backward_order = [chunk(9, True), chunk(7, True, True), chunk(5, True, False), chunk(3, False)]
+    assert next_ready(backward_order) == 1  # chunk 7: the lowest whose copies have all landed
+    assert next_ready([chunk(5, False), chunk(3, False), chunk(1, False)]) == 0  # none landed: the first given
+    assert next_ready([chunk(4), chunk(2), (1, 0, 0, 1, [], [])]) == 1  # CPU (no events): the lowest, group first

@@ -92,11 +92,13 @@ void block(float* __restrict__ P, float* __restrict__ M, float* __restrict__ V, 
     }
 }
 
-// The inverse of one step (fitone.zero2.speculative's undo_adamw, in the same order of operations): the old master
-// and moments back from the new ones and the same gradient at scale `u.scale`, to a few fp32 roundings. Not bit
-// for bit with anything, so no FMA choice: the speculation's tests bound it.
+// The inverse of one step (fitone.zero2.speculative's undo_adamw's arithmetic): the old master and moments back from
+// the new ones and the same gradient at scale 1 / `u.inv_scale`, to a few fp32 roundings. Not bit for bit with
+// anything, so no FMA choice, and every constant division but the denominator's is a multiply by its reciprocal
+// (a division costs several multiplies; bench/results/2026-12-06b-cpu/).
+// The speculation's tests bound it.
 struct Undo {
-    float scale, decay, wd, beta1, one_minus_beta1, beta2, c2, bc2_sqrt, eps, step_size;
+    float inv_scale, inv_decay, wd, inv_beta1, one_minus_beta1, inv_beta2, c2, inv_bc2_sqrt, eps, step_size;
 };
 
 template <typename grad_t, Decay DECAY>
@@ -104,14 +106,14 @@ void undo_block(float* __restrict__ P, float* __restrict__ M, float* __restrict_
                 int64_t lo, int64_t hi, const Undo& u)
 {
     for (int64_t k = lo; k < hi; ++k) {
-        const float g0 = widen(G[k]) / u.scale;
+        const float g0 = widen(G[k]) * u.inv_scale;
         const float m = M[k], v = V[k];
-        float p = P[k] + u.step_size * m / (std::sqrt(v) / u.bc2_sqrt + u.eps);  // before the moments: it read these
-        if (DECAY == ADAMW_DECAY) p = p / u.decay;
+        float p = P[k] + u.step_size * m / (std::sqrt(v) * u.inv_bc2_sqrt + u.eps);  // before the moments: it read these
+        if (DECAY == ADAMW_DECAY) p = p * u.inv_decay;
         const float g = DECAY == ADAM_DECAY ? g0 + p * u.wd : g0;  // Adam's L2 term on the old weights
         P[k] = p;
-        M[k] = (m - u.one_minus_beta1 * g) / u.beta1;
-        V[k] = std::max((v - u.c2 * g * g) / u.beta2, 0.0f);
+        M[k] = (m - u.one_minus_beta1 * g) * u.inv_beta1;
+        V[k] = std::max((v - u.c2 * g * g) * u.inv_beta2, 0.0f);
     }
 }
 
@@ -196,9 +198,10 @@ void step_op(torch::Tensor master, torch::Tensor exp_avg, torch::Tensor exp_avg_
     Hyper h{float(scale), float(1 - lr * weight_decay), float(weight_decay), small ? w : w - 1.0f, small,
             float(beta2), float(1 - beta2), float(std::sqrt(bias_correction2)), float(eps),
             -float(lr / bias_correction1)};
-    // undo_adamw's constants (Python doubles, each rounded to fp32 where it meets a tensor)
-    Undo u{float(undo_scale), float(1 - lr * weight_decay), float(weight_decay), float(beta1), float(1 - beta1),
-           float(beta2), float(1 - beta2), float(std::sqrt(1 - std::pow(beta2, double(step)))), float(eps),
+    // undo_adamw's constants (Python doubles, each rounded to fp32 where it meets a tensor), reciprocals in double
+    Undo u{float(1 / undo_scale), float(1 / (1 - lr * weight_decay)), float(weight_decay), float(1 / beta1),
+           float(1 - beta1), float(1 / beta2), float(1 - beta2),
+           float(1 / std::sqrt(1 - std::pow(beta2, double(step)))), float(eps),
            float(lr / (1 - std::pow(beta1, double(step))))};
     const Undo* undo = undo_scale > 0 ? &u : nullptr;
     const Decay how = weight_decay == 0 ? NO_DECAY : adam_w_mode ? ADAMW_DECAY : ADAM_DECAY;
