@@ -195,11 +195,10 @@ class PipelinedUpdate(OverlappedStep):
     nearest, or to the nearest with a bf16 compensation buffer (made here, in the optimizer's state, so that
     checkpoints carry it).
 
-    `speculative` (opt-in, fp32 states only): chunks' Adam run early, during the boundary backward, kept where
-    bit-identical, else undone (fitone.zero2.speculative); one rank only, as are 16-bit states. Several ranks: each
-    rank updates its partition, whose chunks are all-gathered as the forward waits (fitone.zero2.ranks). `model`:
-    the engine's module (forward pre-hooks go on its submodules).
-    """
+    `speculative` (opt-in, fp32 states, one rank): chunks' Adam run in the boundary backward, kept where
+    bit-identical, else redone or undone (fitone.zero2.speculative). Several ranks: each updates its partition,
+    whose chunks are all-gathered as the forward waits (fitone.zero2.ranks). `model`: the engine's module
+    (forward pre-hooks go on its submodules)."""
 
     name = "pipelined update"
 
@@ -253,8 +252,7 @@ class PipelinedUpdate(OverlappedStep):
                                          device=optimizer.bit16_groups_flat[0].device) for _ in range(2)]
         self._hooks = [m.register_forward_pre_hook(self._pre_forward(needs))
                        for m, needs in module_needs(optimizer, model, self.ranks.sizes)]
-        self._kept: frozenset[tuple[int, int]] = frozenset()  # (group, chunk)s whose Adam speculation ran
-        self._redo: frozenset[tuple[int, int]] = frozenset()  # (group, chunk)s it ran at another scale
+        self._kept = self._redo = frozenset()  # (group, chunk)s speculated as the update runs them / at another scale
         self._speculated: dict[str, float] = {}  # the pending update's speculation counters (timing dict)
         self.speculation = speculative_update.Speculation(self) if speculative else None
 
@@ -313,11 +311,10 @@ class PipelinedUpdate(OverlappedStep):
             kernel, scale = self._deepspeeds_adam, norm
         else:
             kernel, scale = self._adam, combined
-        kept, redo, speculated = frozenset(), frozenset(), {}
+        kept = redo = frozenset()
         if self.speculation is not None:  # what it ran as `kernel` will is kept or redone, the rest undone (sync drops)
-            clipped = self.opt.clip_grad > 0.0 and combined != self._combined_scale(None)
-            kept, redo = self.speculation.resolve(kernel, scale, hyper, clipped)
-            speculated = dict(self.speculation.this_step)
+            kept, redo = self.speculation.resolve(kernel, scale, hyper, combined != self._combined_scale(None))
+        speculated = {} if self.speculation is None else dict(self.speculation.this_step)
         self.sync()  # the previous update is complete (the forward and backward since needed all of it)
         grads = None if self.host is not None else [p.grad for p in self.opt.single_partition_of_fp32_groups]
         self._release_step_buffers()

@@ -259,7 +259,7 @@ class Speculation:
         if self._persisting:
             self._count("steps_clipping_persisted", 1)
             self._persisting = False
-        self.clip_streak = self.clip_streak + 1 if clipped else 0
+        self.clip_streak = self.clip_streak + 1 if clipped and self.update.opt.clip_grad > 0.0 else 0
         opt = self.update.opt
         steps = [opt.optimizer.state.get(m, {}).get("step", 0) + 1 for m in opt.single_partition_of_fp32_groups]
         error = self._settle()
