@@ -12,9 +12,8 @@ pass where fitone.zero2.adam32 runs (`redo_adamw`), else undone and run again. A
 that never comes, another kernel) undoes it at the step. No copy of the states is kept, so every chunk can be
 speculated; the states an undo gives back are the old ones to a few fp32 roundings (tests/zero2/test_speculative.py
 bounds them). A chunk whose gradient is not finite is not speculated (an inf cannot be inverted; the update treats
-it as without speculation). Finiteness is read on
-the device, per parameter, as its gradient goes to the host (its extremes, beside the copy): on the host it cost
-~20% of a chunk's Adam (bench/NOTES.md, 2026-12-04d).
+it as without speculation). Finiteness is read on the device, per parameter, as its gradient goes to the host (its
+extremes, beside the copy): on the host it cost ~20% of a chunk's Adam (bench/NOTES.md, 2026-12-04d).
 """
 
 from __future__ import annotations
@@ -259,7 +258,7 @@ class Speculation:
         if self._persisting:
             self._count("steps_clipping_persisted", 1)
             self._persisting = False
-        self.clip_streak = self.clip_streak + 1 if clipped and self.update.opt.clip_grad > 0.0 else 0
+        self.clip_streak = self.clip_streak + 1 if clipped else 0
         opt = self.update.opt
         steps = [opt.optimizer.state.get(m, {}).get("step", 0) + 1 for m in opt.single_partition_of_fp32_groups]
         error = self._settle()
