@@ -52,8 +52,9 @@ class Engine:
             self.overlap = delayed.DelayedUpdate(self.optimizer, after=delayed_after)
         elif pipelined:
             self.host = layout.LeanHost(self.optimizer)
-            self.overlap = overlap.PipelinedUpdate(self.optimizer, self.ds.module, after=1, host=self.host,
-                                                   states=states, rounding_seed=rounding_seed,
+            # DeepSpeed's own first step, except where it would be the one step left unspeculated (no states yet)
+            self.overlap = overlap.PipelinedUpdate(self.optimizer, self.ds.module, after=0 if speculative else 1,
+                                                   host=self.host, states=states, rounding_seed=rounding_seed,
                                                    speculative=speculative)
         elif states != "fp32":
             raise ValueError(f"optimizer states {states} run in the pipelined update only")

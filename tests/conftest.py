@@ -37,7 +37,8 @@ def cpu_config(**overrides) -> TrainConfig:
 
 def tiny_engine(precision: str = "fp32", model: str = "t5-tiny", *, grad_accum: int = 1, gpu_ds_config: bool = False,
                 lean: bool = False, lean_host: bool = True, chunk: int | None = None, pipelined: bool = False,
-                delayed_after: int | None = None, states: str = "fp32", rounding_seed: int = 0):
+                delayed_after: int | None = None, states: str = "fp32", rounding_seed: int = 0,
+                speculative: bool = False):
     """A real ZeRO-2 CPU-offload engine on the tiny T5 (or `model`; seeded weights, micro-batch 4, constant lr
     1e-3, clip 1.0 so the clip path runs), the one engine builder of the CPU tests.
 
@@ -46,7 +47,7 @@ def tiny_engine(precision: str = "fp32", model: str = "t5-tiny", *, grad_accum: 
     elements with no update on it (only to compare gradients: DeepSpeed's own step is refused there), its
     LeanHost left to the test with `lean_host=False`; `chunk` with `pipelined`: the pipelined update and its
     layout built here in such chunks, instead of by the Engine. `states`: --optimizer-states (bf16 ones run the
-    pipelined update, seeded by `rounding_seed`)."""
+    pipelined update, seeded by `rounding_seed`); `speculative`: the Engine's --speculative-update."""
     import torch
 
     from fitone.ds_config import build_ds_config
@@ -68,7 +69,7 @@ def tiny_engine(precision: str = "fp32", model: str = "t5-tiny", *, grad_accum: 
     if chunked:
         ds = layout.lean_offload_config(ds)
     engine = Engine(module, ds, pipelined=pipelined and not chunked, delayed_after=delayed_after,
-                    states="fp32" if chunked else states, rounding_seed=rounding_seed)
+                    states="fp32" if chunked else states, rounding_seed=rounding_seed, speculative=speculative)
     if chunked and lean_host:
         # Adam's widened slices a quarter of a chunk, so the tests' chunks each run several
         engine.host = layout.LeanHost(engine.optimizer, chunk_elements=chunk,

@@ -137,14 +137,20 @@ class OverlappedStep:
                     betas=hyper["betas"], eps=hyper["eps"], weight_decay=hyper["weight_decay"], grad_scale=scale,
                     adam_w_mode=getattr(adam, "adam_w_mode", True))
 
-    def _next_step(self, i: int) -> int:
-        """Count this step in DeepSpeedCPUAdam's state for group i (creating its states as it would)."""
+    def state(self, i: int) -> dict[str, Any]:
+        """DeepSpeedCPUAdam's state for group i, made as its first step makes it where it does not exist yet
+        (bf16-kahan's compensation is made with the update)."""
         master = self.opt.single_partition_of_fp32_groups[i]
         state = self.opt.optimizer.state[master]
-        if "step" not in state:  # (bf16-kahan's compensation is made with the update)
+        if "step" not in state:
             state["step"] = 0
             state["exp_avg"] = torch.zeros_like(master.data)
             state["exp_avg_sq"] = torch.zeros_like(master.data)
+        return state
+
+    def _next_step(self, i: int) -> int:
+        """Count this step in group i's state."""
+        state = self.state(i)
         state["step"] += 1
         return state["step"]
 

@@ -167,14 +167,14 @@ class Speculation:
     # -- during the backward ----------------------------------------------------------------------------
     def arm(self) -> None:
         """Before a backward: undo anything unresolved, then speculate in this backward if its step will be
-        a pipelined one on existing states (not one of DeepSpeed's first `after`) and clipping has not persisted
-        (CLIP_STREAK)."""
+        a pipelined one (not one of DeepSpeed's first `after`; where `after` is 0 the first step's zero states are
+        made here) and clipping has not persisted (CLIP_STREAK)."""
         self.drop()
         self.this_step = self._counters()
-        upd, opt = self.update, self.update.opt
-        states = [opt.optimizer.state.get(m, {}) for m in opt.single_partition_of_fp32_groups]
-        if upd.applied < upd.after or any("step" not in s for s in states):
+        upd = self.update
+        if upd.applied < upd.after:
             return
+        states = [upd.state(i) for i in range(len(upd.chunks))]  # the first step's made (zero) where after is 0
         if self.clip_streak >= CLIP_STREAK:  # (counted once a step, at `resolve`: with accumulation each arms)
             self._persisting = True
             return

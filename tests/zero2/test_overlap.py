@@ -193,29 +193,31 @@ def test_the_delayed_update_needs_the_cpu_optimizer():
 
 
 # -- the pipelined update ---------------------------------------------------------------------------
-def make_pipelined(chunk_elements: int, precision: str = "fp32") -> Engine:
+def make_pipelined(chunk_elements: int, precision: str = "fp32", after: int = 1) -> Engine:
     """The engine's own pipelined update on its lean host layout, its Adam and uploads in smaller chunks."""
     from fitone.zero2.overlap import PipelinedUpdate
 
     engine = tiny_engine(precision, pipelined=True)
     engine.overlap.close()
-    engine.overlap = PipelinedUpdate(engine.optimizer, engine.module, after=1, chunk_elements=chunk_elements,
+    engine.overlap = PipelinedUpdate(engine.optimizer, engine.module, after=after, chunk_elements=chunk_elements,
                                      host=engine.host)
     return engine
 
 
 @pytest.mark.numeric
-def test_the_pipelined_update_is_deepspeeds_update_while_the_next_forward_runs():
+@pytest.mark.parametrize("after", [1, 0], ids=["deepspeeds-first-step", "own-first-step"])
+def test_the_pipelined_update_is_deepspeeds_update_while_the_next_forward_runs(after):
     """No staleness: with the update running in small chunks beside the next forward (each module waiting
     for the chunks that hold its weights), every forward sees the updated weights, and every step's loss
-    and the final weights match DeepSpeed's own within the rounding of two fp32 Adam implementations."""
+    and the final weights match DeepSpeed's own within the rounding of two fp32 Adam implementations, with
+    DeepSpeed's arithmetic for the first step (`after` 1, the default) or not (0, the speculative update's)."""
     plain = make_engine(None)
     try:
         _, expected_losses = run(plain, range(1, 9))
         expected = weights(plain)
     finally:
         plain.close()
-    engine = make_pipelined(chunk_elements=4096)
+    engine = make_pipelined(chunk_elements=4096, after=after)
     try:
         assert len(engine.overlap.chunks[0]) > 20  # many chunks: the forward really overtakes the thread
         assert engine.overlap.last_timing is None
@@ -233,12 +235,12 @@ def test_the_pipelined_update_is_deepspeeds_update_while_the_next_forward_runs()
     finally:
         engine.close()
     assert stale == []  # every forward read its weights after their update (no pre-hooks: most do not)
-    # steps 1 and 2 run on the same weights (step 1 is DeepSpeed's arithmetic, run chunk by chunk on the lean
-    # layout: the same bits as DeepSpeed's own step); from step 3 on, a forward sees
-    # weights from k = step - 2 updates by PyTorch's fused AdamW instead of DeepSpeedCPUAdam
-    assert got_losses[:2] == expected_losses[:2]
-    assert apart(got_losses, expected_losses, fp32_loss_drift, first_differing_step=3) == []
-    assert within_adam_drift(got, expected, steps=7)  # steps 2-8 were pipelined
+    # steps 1 and 2 run on the same weights (with `after` 1 step 1 is DeepSpeed's arithmetic, run chunk by chunk on
+    # the lean layout: the same bits as DeepSpeed's own step); from step 2 + after on, a forward sees weights from
+    # updates by PyTorch's fused AdamW instead of DeepSpeedCPUAdam
+    assert got_losses[:1 + after] == expected_losses[:1 + after]
+    assert apart(got_losses, expected_losses, fp32_loss_drift, first_differing_step=2 + after) == []
+    assert within_adam_drift(got, expected, steps=8 - after)  # steps 1 + after to 8 were fitone's arithmetic
 
 
 def test_a_failed_pipelined_update_raises_in_the_forward_that_needs_it():

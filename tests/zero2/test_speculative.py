@@ -24,14 +24,16 @@ LR = 1e-3  # tiny_engine's
 CLIP_AT = 1.0  # `clip_at`'s max norm: the tiny T5's is ~4 there, so its gradients are scaled by ~0.25
 
 
-def make_engine(precision: str, *, speculative: bool, grad_accum: int = 1, clip: float = 1e6) -> Engine:
+def make_engine(precision: str, *, speculative: bool, grad_accum: int = 1, clip: float = 1e6, after: int = 1
+                ) -> Engine:
     """The engine's pipelined update in CHUNK-element chunks; `clip`: the max gradient norm (large: clipping
-    never fires, so speculation is kept)."""
+    never fires, so speculation is kept); `after`: DeepSpeed's own steps first (the engine's speculative update
+    has none; 1 here keeps most tests' first step unspeculated, on DeepSpeed's arithmetic)."""
     from fitone.zero2.overlap import PipelinedUpdate
 
     engine = tiny_engine(precision, pipelined=True, grad_accum=grad_accum)
     engine.overlap.close()
-    engine.overlap = PipelinedUpdate(engine.optimizer, engine.module, after=1, chunk_elements=CHUNK,
+    engine.overlap = PipelinedUpdate(engine.optimizer, engine.module, after=after, chunk_elements=CHUNK,
                                      host=engine.host, speculative=speculative)
     engine.optimizer.clip_grad = clip
     return engine
@@ -73,11 +75,12 @@ def states(engine: Engine) -> dict[str, torch.Tensor]:
             for i, m in enumerate(opt.single_partition_of_fp32_groups) for k in ("master", "exp_avg", "exp_avg_sq")}
 
 
-def both(precision: str, steps: int, grad_accum: int = 1, **train_kwargs) -> tuple[tuple, tuple, dict]:
+def both(precision: str, steps: int, grad_accum: int = 1, after: int = 1, **train_kwargs
+         ) -> tuple[tuple, tuple, dict]:
     """The same training without and with speculation; the counters of the latter."""
     results, counts = [], {}
     for speculative in (False, True):
-        engine = make_engine(precision, speculative=speculative, grad_accum=grad_accum)
+        engine = make_engine(precision, speculative=speculative, grad_accum=grad_accum, after=after)
         try:
             results.append(train(engine, steps, grad_accum, **train_kwargs))
             if speculative:
@@ -278,6 +281,41 @@ def test_a_loss_scale_changed_at_the_step_redoes_its_speculation():
     assert within_rounding(plain, speculated, "fp32", undone_at=3, steps=5)
     assert counts["redone_chunks"] > 20 and counts["rolled_back_chunks"] == 0  # step 3's: at scale 1, stepped at 2
     assert counts["speculated_chunks"] - counts["redone_chunks"] > 2 * 20  # steps 2, 4, 5 (at 2) kept
+
+
+@pytest.mark.numeric
+@pytest.mark.parametrize("precision, grad_accum", [("fp32", 1), ("bf16", 3)])
+def test_without_deepspeeds_first_step_the_first_step_is_speculated_too(precision, grad_accum):
+    """`after` 0 (the engine's speculative update): step 1 runs the pipelined update's own arithmetic on zero
+    states made at the first backward, and its speculation is kept bit for bit like every later step's."""
+    plain, speculated, counts = both(precision, steps=4, grad_accum=grad_accum, after=0)
+    assert identical(plain, speculated)
+    assert counts["speculated_chunks"] >= 4 * 20 and counts["rolled_back_chunks"] == 0  # steps 1-4
+
+
+@pytest.mark.numeric
+def test_an_overflowed_first_step_undoes_its_speculation_on_the_zero_states():
+    """`after` 0, and step 1 overflows (an fp16 run's loss scale settling): its finite chunks' speculation is
+    undone, leaving the made states zero to the undo's rounding, and the run is the pipelined update's."""
+    plain, speculated, counts = both("bf16", steps=4, inf_at=1, after=0)
+    assert within_rounding(plain, speculated, "bf16", undone_at=1, steps=4)
+    assert counts["nonfinite_chunks"] > 0 and counts["rolled_back_chunks"] > 20
+    assert counts["speculated_chunks"] - counts["rolled_back_chunks"] >= 3 * 20  # steps 2-4 kept
+
+
+def test_the_engines_speculative_update_speculates_its_first_step():
+    engine = tiny_engine("fp32", pipelined=True, speculative=True)
+    try:
+        assert engine.overlap.after == 0
+        engine.backward(engine.forward(fixed_batch(1)))
+        drain(engine)
+        engine.step()
+        engine.sync_weights()
+        totals = engine.overlap.speculation.totals
+        assert totals["speculated_chunks"] > 0 and totals["rolled_back_chunks"] == 0
+        assert engine.optimizer.optimizer.state[engine.optimizer.single_partition_of_fp32_groups[0]]["step"] == 1
+    finally:
+        engine.close()
 
 
 def test_no_speculation_in_deepspeeds_first_steps():
