@@ -174,18 +174,22 @@ class Speculation:
         upd = self.update
         if upd.applied < upd.after:
             return
-        states = [upd.state(i) for i in range(len(upd.chunks))]  # the first step's made (zero) where after is 0
+        steps = self._coming_steps()  # the first step's states made (zero) here where `after` is 0
         if self.clip_streak >= CLIP_STREAK:  # (counted once a step, at `resolve`: with accumulation each arms)
             self._persisting = True
             return
         self._scale = upd._combined_scale(None)  # what the update divides by when clipping does not fire
         self._hyper = upd.hyperparameters()
-        self._steps = [s["step"] + 1 for s in states]
+        self._steps = steps
         self._kernel = upd._adam
         self._poisoned = False
         self._events = {}
         self.tracker.reset()
         self.armed = True
+
+    def _coming_steps(self) -> list[int]:
+        """Each group's step count for the step to come (its state made where it does not exist yet)."""
+        return [self.update.state(i)["step"] + 1 for i in range(len(self.update.chunks))]
 
     def _copy_and_speculate(self, param: torch.nn.Parameter) -> None:
         if not self.armed:
@@ -259,8 +263,7 @@ class Speculation:
             self._count("steps_clipping_persisted", 1)
             self._persisting = False
         self.clip_streak = self.clip_streak + 1 if clipped else 0
-        opt = self.update.opt
-        steps = [opt.optimizer.state.get(m, {}).get("step", 0) + 1 for m in opt.single_partition_of_fp32_groups]
+        steps = self._coming_steps()
         error = self._settle()
         same = error is None and not self._poisoned and kernel == self._kernel
         matched = [e for e in self._outstanding
