@@ -21,10 +21,10 @@ STEPS = 12
 def run(precision: str, *, speculative: bool, grad_accum: int) -> tuple[list[float], dict, list, dict]:
     engine = gpu_engine(precision, pipelined=True, grad_accum=grad_accum, speculative=speculative)
     engine.optimizer.clip_grad = 1e6  # random-init gpt2's norm is over 1.0: clipping would undo every step
-    # the speculative engine's first step is fitone's arithmetic too (after 0), not DeepSpeed's: the same here
-    assert engine.overlap.after == (0 if speculative else 1)
-    engine.overlap.after = 0
     try:
+        # the speculative engine's first step is fitone's arithmetic too (after 0), not DeepSpeed's: the same here
+        assert engine.overlap.after == (0 if speculative else 1)
+        engine.overlap.after = 0
         losses = []
         for step in range(1, STEPS + 1):  # gpu_lane.train_step's, each step once the speculation has run
             micro_losses = []
