@@ -35,7 +35,8 @@ UNDO_SCRATCH_BYTES = 8  # per element of the chunk being undone: its fp32 gradie
 SPARE_CORES = 1
 # consecutive clipped steps after which the next is not speculated: a redo costs more than the Adam it replaces
 # (bench/results/2026-12-06b-cpu/), so where clipping persists (a random-init model's every step) the speculation
-# only adds work; the first unclipped step ends the streak, and the step after it speculates again
+# only adds work; the first unclipped step ends the streak, and the step after it speculates again. A run starts
+# with the streak full: its first applied steps (a random-init model clips them) are not redone (NOTES 2026-12-07b)
 CLIP_STREAK = 3
 
 
@@ -144,7 +145,7 @@ class Speculation:
         self._extremes = torch.zeros(len(spans), 2, dtype=grads[0].dtype if grads else torch.float32,
                                      pin_memory=update._side is not None)
         self.armed = False
-        self.clip_streak = 0  # consecutive steps that clipped, up to the last one resolved
+        self.clip_streak = CLIP_STREAK  # consecutive steps that clipped, up to the last one resolved (see CLIP_STREAK)
         self._persisting = False  # this step's backward was not speculated for the streak (counted at the step)
         # what this step's speculation ran with (set when armed)
         self._kernel, self._scale, self._hyper, self._steps, self._poisoned = None, None, [], [], False
@@ -168,7 +169,7 @@ class Speculation:
     def arm(self) -> None:
         """Before a backward: undo anything unresolved, then speculate in this backward if its step will be
         a pipelined one (not one of DeepSpeed's first `after`; where `after` is 0 the first step's zero states are
-        made here) and clipping has not persisted (CLIP_STREAK)."""
+        made here) and clipping has not persisted (CLIP_STREAK; so not before one step has not clipped)."""
         self.drop()
         self.this_step = self._counters()
         upd = self.update

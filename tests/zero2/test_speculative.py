@@ -24,11 +24,12 @@ LR = 1e-3  # tiny_engine's
 CLIP_AT = 1.0  # `clip_at`'s max norm: the tiny T5's is ~4 there, so its gradients are scaled by ~0.25
 
 
-def make_engine(precision: str, *, speculative: bool, grad_accum: int = 1, clip: float = 1e6, after: int = 1
-                ) -> Engine:
+def make_engine(precision: str, *, speculative: bool, grad_accum: int = 1, clip: float = 1e6, after: int = 1,
+                speculate_first: bool = False) -> Engine:
     """The engine's pipelined update in CHUNK-element chunks; `clip`: the max gradient norm (large: clipping
     never fires, so speculation is kept); `after`: DeepSpeed's own steps first (the engine's speculative update
-    has none; 1 here keeps most tests' first step unspeculated, on DeepSpeed's arithmetic)."""
+    has none; 1 here keeps most tests' first step unspeculated, on DeepSpeed's arithmetic); `speculate_first`:
+    the clip streak starts empty, so the first step is speculated too (a run's starts full: CLIP_STREAK)."""
     from fitone.zero2.overlap import PipelinedUpdate
 
     engine = tiny_engine(precision, pipelined=True, grad_accum=grad_accum)
@@ -36,6 +37,8 @@ def make_engine(precision: str, *, speculative: bool, grad_accum: int = 1, clip:
     engine.overlap = PipelinedUpdate(engine.optimizer, engine.module, after=after, chunk_elements=CHUNK,
                                      host=engine.host, speculative=speculative)
     engine.optimizer.clip_grad = clip
+    if speculate_first and speculative:
+        engine.overlap.speculation.clip_streak = 0
     return engine
 
 
@@ -75,12 +78,13 @@ def states(engine: Engine) -> dict[str, torch.Tensor]:
             for i, m in enumerate(opt.single_partition_of_fp32_groups) for k in ("master", "exp_avg", "exp_avg_sq")}
 
 
-def both(precision: str, steps: int, grad_accum: int = 1, after: int = 1, **train_kwargs
-         ) -> tuple[tuple, tuple, dict]:
+def both(precision: str, steps: int, grad_accum: int = 1, after: int = 1, speculate_first: bool = False,
+         **train_kwargs) -> tuple[tuple, tuple, dict]:
     """The same training without and with speculation; the counters of the latter."""
     results, counts = [], {}
     for speculative in (False, True):
-        engine = make_engine(precision, speculative=speculative, grad_accum=grad_accum, after=after)
+        engine = make_engine(precision, speculative=speculative, grad_accum=grad_accum, after=after,
+                             speculate_first=speculate_first)
         try:
             results.append(train(engine, steps, grad_accum, **train_kwargs))
             if speculative:
@@ -234,35 +238,40 @@ def test_a_clipped_step_redoes_its_speculation_in_the_update_and_the_next_step_s
 
 
 @pytest.mark.numeric
-def test_persistent_clipping_stops_the_speculation_until_a_step_does_not_clip():
-    """Every step clips (the tiny T5's norm is ~4, the max 1) until step 6: steps 2 and 3 are speculated and
-    redone, then CLIP_STREAK clipped steps in a row stop it (steps 4-6); step 6 does not clip, so step 7
-    speculates again and keeps it."""
+def test_clipping_from_the_start_or_persisting_stops_the_speculation_until_a_step_does_not_clip():
+    """Clipping (the tiny T5's norm is ~4, the max 1) on every step but 2, 8 and 9. The run starts with the streak
+    full, so step 1 is not speculated, and its clip keeps step 2 unspeculated; step 2 does not clip, so steps 3-5
+    speculate, clip and are redone; CLIP_STREAK clipped steps in a row stop it again (steps 6-8); step 8 does not
+    clip, so step 9 speculates and keeps it. `after` 0, as the engine builds it: DeepSpeed's first step reads the
+    clip in the update's thread, which may run after step 2 has changed it."""
     from fitone.zero2.speculative import CLIP_STREAK
 
     assert CLIP_STREAK == 3  # the step numbers below
     runs, counts = [], {}
     for speculative in (False, True):
-        engine = make_engine("fp32", speculative=speculative, clip=CLIP_AT)
+        engine = make_engine("fp32", speculative=speculative, clip=CLIP_AT, after=0)
         try:
+            if speculative:
+                assert engine.overlap.speculation.clip_streak == CLIP_STREAK
             losses = []
-            for step in range(1, 8):
-                if step == 6:
-                    engine.optimizer.clip_grad = 1e6
+            for step in range(1, 10):
+                engine.optimizer.clip_grad = 1e6 if step in (2, 8, 9) else CLIP_AT
                 loss = engine.forward(fixed_batch(step))
                 engine.backward(loss)
                 drain(engine)
                 engine.step()
                 losses.append(loss.item())
+                if speculative and step == 2:
+                    assert engine.overlap.speculation.totals["speculated_chunks"] == 0  # steps 1 and 2
             runs.append((losses, states(engine)))
             if speculative:
                 counts = {**engine.overlap.speculation.totals, "last": dict(engine.overlap.speculation.this_step)}
         finally:
             engine.close()
-    assert within_rounding(runs[0], runs[1], "fp32", undone_at=2, steps=7)
-    assert counts["steps_clipping_persisted"] == 3 and counts["redone_chunks"] >= 2 * 20  # steps 2 and 3
-    assert counts["rolled_back_chunks"] == 0
-    assert counts["last"]["speculated_chunks"] > 20 and counts["last"]["redone_chunks"] == 0  # step 7 kept
+    assert within_rounding(runs[0], runs[1], "fp32", undone_at=3, steps=9)
+    assert counts["steps_clipping_persisted"] == 5  # steps 1 and 2 (the streak starts full), 6, 7 and 8
+    assert counts["redone_chunks"] >= 3 * 20 and counts["rolled_back_chunks"] == 0  # steps 3-5
+    assert counts["last"]["speculated_chunks"] > 20 and counts["last"]["redone_chunks"] == 0  # step 9 kept
 
 
 @pytest.mark.numeric
@@ -285,10 +294,11 @@ def test_a_loss_scale_changed_at_the_step_redoes_its_speculation():
 
 @pytest.mark.numeric
 @pytest.mark.parametrize("precision, grad_accum", [("fp32", 1), ("bf16", 3)])
-def test_without_deepspeeds_first_step_the_first_step_is_speculated_too(precision, grad_accum):
-    """`after` 0 (the engine's speculative update): step 1 runs the pipelined update's own arithmetic on zero
-    states made at the first backward, and its speculation is kept bit for bit like every later step's."""
-    plain, speculated, counts = both(precision, steps=4, grad_accum=grad_accum, after=0)
+def test_without_deepspeeds_first_step_a_speculated_first_step_is_kept(precision, grad_accum):
+    """`after` 0 (the engine's speculative update) and the streak empty: step 1 runs the pipelined update's own
+    arithmetic on zero states made at the first backward, and its speculation is kept bit for bit like every
+    later step's."""
+    plain, speculated, counts = both(precision, steps=4, grad_accum=grad_accum, after=0, speculate_first=True)
     assert identical(plain, speculated)
     assert counts["speculated_chunks"] >= 4 * 20 and counts["rolled_back_chunks"] == 0  # steps 1-4
 
@@ -297,23 +307,30 @@ def test_without_deepspeeds_first_step_the_first_step_is_speculated_too(precisio
 def test_an_overflowed_first_step_undoes_its_speculation_on_the_zero_states():
     """`after` 0, and step 1 overflows (an fp16 run's loss scale settling): its finite chunks' speculation is
     undone, leaving the made states zero to the undo's rounding, and the run is the pipelined update's."""
-    plain, speculated, counts = both("bf16", steps=4, inf_at=1, after=0)
+    plain, speculated, counts = both("bf16", steps=4, inf_at=1, after=0, speculate_first=True)
     assert within_rounding(plain, speculated, "bf16", undone_at=1, steps=4)
     assert counts["nonfinite_chunks"] > 0 and counts["rolled_back_chunks"] > 20
     assert counts["speculated_chunks"] - counts["rolled_back_chunks"] >= 3 * 20  # steps 2-4 kept
 
 
-def test_the_engines_speculative_update_speculates_its_first_step():
+def test_the_engines_speculative_update_speculates_from_the_step_after_one_that_did_not_clip():
+    """The engine's (tiny_engine's clip of 1.0 fires on the tiny T5): step 1 is fitone's arithmetic (`after` 0), not
+    speculated, and clips, so step 2 is not speculated either; step 2 does not clip, so step 3 is."""
     engine = tiny_engine("fp32", pipelined=True, speculative=True)
     try:
         assert engine.overlap.after == 0
-        engine.backward(engine.forward(fixed_batch(1)))
-        drain(engine)
-        engine.step()
-        engine.sync_weights()
-        totals = engine.overlap.speculation.totals
-        assert totals["speculated_chunks"] > 0 and totals["rolled_back_chunks"] == 0
-        assert engine.optimizer.optimizer.state[engine.optimizer.single_partition_of_fp32_groups[0]]["step"] == 1
+        speculated = []
+        for step in (1, 2, 3):
+            if step == 2:
+                engine.optimizer.clip_grad = 1e6
+            engine.backward(engine.forward(fixed_batch(step)))
+            drain(engine)
+            engine.step()
+            engine.sync_weights()
+            speculated.append(engine.overlap.speculation.totals["speculated_chunks"])
+        assert speculated[:2] == [0, 0] and speculated[2] > 0
+        assert engine.overlap.speculation.totals["rolled_back_chunks"] == 0
+        assert engine.optimizer.optimizer.state[engine.optimizer.single_partition_of_fp32_groups[0]]["step"] == 3
     finally:
         engine.close()
 
