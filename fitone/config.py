@@ -97,6 +97,7 @@ class TrainConfig:
     pipelined_update: bool | None = None
     optimizer_states: str = "fp32"  # one of OPTIMIZER_STATES; bf16 ones need --precision bf16 (fitone.zero2.step_mode)
     speculative_update: bool = False  # the pipelined update's Adam during the backward (fitone.zero2.speculative)
+    gpu_adam_share: float = 0.0  # the pipelined update's Adam chunks stepped on the GPU (fitone.zero2.gpu_adam)
     ds_config: str | None = None
     max_gpu_memory: str | None = None
     expandable_segments: bool = True  # CUDA allocator: grow segments in place instead of fragmenting
@@ -254,6 +255,14 @@ class TrainConfig:
                               "16 bits on the host: it needs --offload cpu")
         if self.speculative_update:
             self._check_speculative_update()
+        if not 0 <= self.gpu_adam_share < 1:
+            raise ConfigError(f"--gpu-adam-share is the fraction of the CPU Adam's chunks the GPU steps, from 0 "
+                              f"(none) up to but not including 1, got {self.gpu_adam_share}")
+        if self.gpu_adam_share and (self.offload != "cpu" or self.optimizer_states != "fp32"
+                                    or self.delayed_update or self.pipelined_update is False):
+            raise ConfigError("--gpu-adam-share shares the pipelined update's fp32 CPU Adam with the GPU: it needs "
+                              "--offload cpu and --optimizer-states fp32, without --delayed-update or "
+                              "--no-pipelined-update")
         if self.delayed_update_after < 0:
             raise ConfigError(f"--delayed-update-after must be 0 or more, got {self.delayed_update_after}")
 
@@ -357,6 +366,7 @@ class MemorySettings(_Section):
     pipelined_update: bool | None
     optimizer_states: str
     speculative_update: bool
+    gpu_adam_share: float
     ds_config: str | None
     max_gpu_memory: str | None
     expandable_segments: bool

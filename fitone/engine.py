@@ -25,12 +25,14 @@ class Engine:
     """A DeepSpeed ZeRO-2 engine around a model, with the few operations training and probing need."""
 
     def __init__(self, model: torch.nn.Module, ds_config: dict[str, Any], *, delayed_after: int | None = None,
-                 pipelined: bool = False, states: str = "fp32", rounding_seed: int = 0, speculative: bool = False):
+                 pipelined: bool = False, states: str = "fp32", rounding_seed: int = 0, speculative: bool = False,
+                 gpu_share: float = 0.0):
         """delayed_after: start the one-step delayed parameter update after that many plain steps;
         pipelined: the pipelined update from the second step, on the lean host layout (fitone.zero2);
         states: its optimizer state in 16 bits ('bf16', 'bf16-nearest', 'bf16-kahan': `ds_config` has
         DeepSpeed's bf16 master weights and states), rounded with `rounding_seed`; speculative: its Adam during
-        the backward (fitone.zero2.speculative). Default: DeepSpeed's step. A run's StepMode.engine_options() gives
+        the backward (fitone.zero2.speculative); gpu_share: that fraction of its Adam chunks stepped on the GPU
+        (fitone.zero2.gpu_adam). Default: DeepSpeed's step. A run's StepMode.engine_options() gives
         them all."""
         import deepspeed
 
@@ -55,7 +57,7 @@ class Engine:
             # DeepSpeed's own first step, except where it would be the one step left unspeculated (no states yet)
             self.overlap = overlap.PipelinedUpdate(self.optimizer, self.ds.module, after=0 if speculative else 1,
                                                    host=self.host, states=states, rounding_seed=rounding_seed,
-                                                   speculative=speculative)
+                                                   speculative=speculative, gpu_share=gpu_share)
         elif states != "fp32":
             raise ValueError(f"optimizer states {states} run in the pipelined update only")
         memory.trim_heap()  # the model's host copy, moved to the GPU, would otherwise stay in the RSS

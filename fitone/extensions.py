@@ -29,8 +29,10 @@ OPS = {"cpu_adam": "DeepSpeed's CPU Adam", "deepspeed_shm_comm": "DeepSpeed's sh
        "fitone_adam16": "fitone's fused 16-bit Adam step",
        "fitone_adam32": "fitone's exact fp32 AdamW from 16-bit gradients",
        "fitone_ds_adam": "fitone's GIL-releasing call of DeepSpeed's CPU Adam"}
-BUILD_TIME = {"fitone_adam16": "~1 minute on 2 cores", "fitone_adam32": "~1.5 minutes on 2 cores",
-              "fitone_ds_adam": "~0.5 minutes on 2 cores"}  # others: ~1.5 min
+# built with nvcc where a GPU is (per GPU architecture), never on a CPU-only machine
+CUDA_OPS = {"fitone_adam_gpu": "fitone's exact fp32 AdamW on the GPU (--gpu-adam-share)"}
+BUILD_TIME = {"fitone_adam_gpu": "~1 minute", "fitone_adam16": "~1 minute on 2 cores",
+              "fitone_adam32": "~1.5 minutes on 2 cores", "fitone_ds_adam": "~0.5 minutes on 2 cores"}  # others: 1.5
 # fitone's own ops build with -march=native, so each CPU's instruction set gets its folder: a build cached where
 # several machines share it (a cluster's home directory) would stop the next CPU with an illegal instruction
 NATIVE_OPS = {"fitone_adam16", "fitone_adam32", "fitone_ds_adam"}
@@ -139,12 +141,15 @@ def clear_stale_lock(lock: Path, what: str, say: Callable[[str], None] = _say, p
         time.sleep(poll_s)
 
 
-def prepare_build(name: str, say: Callable[[str], None] = _say) -> None:
-    """Before DeepSpeed loads op `name`: no stale lock left in its way, and one line if it is about to build."""
-    for folder in build_dirs(name):
-        clear_stale_lock(folder / "lock", OPS[name], say)
-    if not is_built(name):
-        say(f"building {OPS[name]} once for this machine ({BUILD_TIME.get(name, '~1.5 minutes on 2 cores')}; "
+def prepare_build(name: str, say: Callable[[str], None] = _say, folder: str | None = None) -> None:
+    """Before DeepSpeed loads op `name`: no stale lock left in its way, and one line if it is about to build.
+    `folder`: the build's name where it is not build_name(name) (a CUDA op's, per GPU architecture)."""
+    what = OPS.get(name) or CUDA_OPS[name]
+    folders = build_dirs(name) if folder is None else [d for d in [extensions_root() / folder] if d.is_dir()]
+    for d in folders:
+        clear_stale_lock(d / "lock", what, say)
+    if not any(any(d.glob("*.so")) for d in folders):
+        say(f"building {what} once for this machine ({BUILD_TIME.get(name, '~1.5 minutes on 2 cores')}; "
             f"cached in {extensions_root()})")
 
 
@@ -165,4 +170,17 @@ def load_native(name: str, source: Path) -> Any:
             # would load the system's beside it, a second pool of threads spinning against torch's
             _loaded[name] = load(name=build_name(name), sources=[str(source)], extra_cflags=NATIVE_CFLAGS,
                                  verbose=False)
+    return _loaded[name]
+
+
+def load_cuda(name: str, source: Path, build_name: str) -> Any:
+    """fitone's CUDA op `name` (one of CUDA_OPS) from its `source`, built by nvcc under `build_name` (one per GPU
+    architecture) on the first call of this machine, then loaded from the cache, once a process. Its kernels round
+    each operation by intrinsics, so no flag changes a bit."""
+    with _loading:
+        if name not in _loaded:
+            from torch.utils.cpp_extension import load
+
+            prepare_build(name, folder=build_name)
+            _loaded[name] = load(name=build_name, sources=[str(source)], extra_cuda_cflags=["-O3"], verbose=False)
     return _loaded[name]

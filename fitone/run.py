@@ -130,7 +130,8 @@ def _decide(cfg: TrainConfig, device: str, dist: DistInfo, *, planning: bool = F
     mode = step_mode.decide(sections, delayed_update=cfg.delayed_update,
                             delayed_update_after=cfg.delayed_update_after, pipelined_update=cfg.pipelined_update,
                             world_size=dist.world_size, on_gpu=on_gpu, optimizer_states=cfg.optimizer_states,
-                            seed=cfg.seed, speculative_update=cfg.speculative_update)
+                            seed=cfg.seed, speculative_update=cfg.speculative_update,
+                            gpu_adam_share=cfg.gpu_adam_share)
     task = task_of(config)
     if task == SEQ2SEQ and "seq_len" in cfg.typed:  # it would be ignored without a word
         raise ConfigError(f"--seq-len is for causal LMs; {cfg.model} is seq2seq: give --src-len and --tgt-len "

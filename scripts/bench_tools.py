@@ -58,6 +58,8 @@ TOOL_TABLE = (
     ("fitone-widen-2m", True, True, False),
     ("fitone-widen-8m", True, True, False),
     ("fitone-speculative", True, True, False),
+    ("fitone-share", True, True, False),
+    ("fitone-speculative-share", True, True, False),
 )
 TOOLS = tuple(name for name, *_ in TOOL_TABLE)
 DEFAULT_TOOLS = TOOLS[:5]

@@ -76,6 +76,9 @@ FLAGS: dict[str, tuple[Any, str]] = {
                                  "step then runs the same arithmetic (the same bits); redone at the step's scale "
                                  "where clipping fired, else undone in place, to fp32 rounding "
                                  "(docs/optimizer-step.md)"),
+    "gpu_adam_share": (float, "on one GPU, the fraction of the pipelined update's fp32 CPU Adam chunks that the "
+                              "GPU steps instead (their states go up and back down beside the CPU's work; the same "
+                              "bits; ~0.35 GB of GPU memory); 0: none (docs/optimizer-step.md)"),
     "ds_config": (str, "a DeepSpeed JSON file merged over the generated config"),
     "max_gpu_memory": (str, "cap the CUDA allocator, e.g. 23GiB, to stand for a smaller card"),
     "expandable_segments": (bool, "CUDA allocator with expandable segments (less fragmentation; unless "

@@ -11,7 +11,7 @@ from fitone.render import plan_text, plot_plan
 
 FLAGS = ("model", "from_scratch", "src_len", "tgt_len", "seq_len", "pack", "batch_size", "grad_accum", "global_batch",
          "precision", "activation_checkpointing", "offload", "delayed_update", "pipelined_update",
-         "optimizer_states", "speculative_update", "ds_config",
+         "optimizer_states", "speculative_update", "gpu_adam_share", "ds_config",
          "max_gpu_memory", "device")
 
 

@@ -16,7 +16,7 @@ PROBE_FLAGS = ["model", "from_scratch", "data", "data_split", "data_config", "ch
                "target_field", "text_field", "prompt_field",
                "src_len", "tgt_len", "seq_len", "global_batch", "prefer_batch", "precision", "activation_checkpointing",
                "offload",
-               "pipelined_update", "optimizer_states", "ds_config",
+               "pipelined_update", "optimizer_states", "gpu_adam_share", "ds_config",
                "max_gpu_memory", "expandable_segments", "device", "seed", "verbose",
                "preflight"]
 

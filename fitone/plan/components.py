@@ -15,7 +15,7 @@ from fitone.plan.activations import Lengths, activation_bytes, activation_moment
 from fitone.plan.result import Component
 from fitone.plan.shape import ModelShape
 from fitone.units import GIB
-from fitone.zero2 import layout, low_precision, overlap, speculative
+from fitone.zero2 import gpu_adam, layout, low_precision, overlap, speculative
 
 CUDA_CONTEXT = GIB // 2  # the CUDA context and kernels live outside the allocator (and outside any cap)
 # What the caching allocator reserves beyond what it hands out, with expandable segments (the default). Two probes
@@ -54,6 +54,7 @@ class _Setup:
     fused_loss: str | None = None  # causal LMs: the fused LM head + loss's backend (fitone.loss), None: the model's
     optimizer_states: str = "fp32"  # bf16 ones: bf16 master and moments on the lean layout (fitone.zero2.low_precision)
     speculative_update: bool = False  # a chunk's scratch for undoing its early Adam (fitone.zero2.speculative)
+    gpu_share: float = 0.0  # the GPU's share of the Adam: its pieces' buffers (fitone.zero2.gpu_adam)
 
     @property
     def w(self) -> int:
@@ -93,6 +94,10 @@ def _gpu_components(st: _Setup, offload: bool, micro_batch: int) -> list[Compone
             comps.append(Component("pipelined-update landing", "buffers",
                                    2 * st.master * min(overlap.UPLOAD_CHUNK, part),
                                    f"two {kind} chunks: the updated master goes up and is cast on the GPU"))
+            if st.gpu_share:
+                comps.append(Component("GPU Adam share", "buffers", gpu_adam.gpu_bytes(),
+                                       f"{gpu_adam.SETS} pieces of fp32 master and moments and 16-bit gradients, "
+                                       "stepped on the GPU"))
             if n > 1:  # torch's NCCL all_gather into a list of tensors gathers into one flat tensor first
                 comps.append(Component("pipelined-update gather", "buffers", n * w * min(overlap.UPLOAD_CHUNK, part),
                                        f"one chunk of each of the {n} ranks' partitions, as it is all-gathered"))

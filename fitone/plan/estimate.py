@@ -191,7 +191,8 @@ def _make_plan(run: Run, *, micro_batch: int | None, accumulation: int, gpu_limi
                                        vocab_size=shape.vocab)
                 if cfg.fused_loss else None,
                 pipelined_update=run.mode.name == step_mode.PIPELINED, optimizer_states=run.mode.states,
-                speculative_update=run.mode.engine_options()["speculative"])
+                speculative_update=run.mode.engine_options()["speculative"],
+                gpu_share=run.mode.engine_options()["gpu_share"])
 
     def gpu_peak(b: int, off: bool, setup: _Setup = st) -> int:
         """The GPU peak at micro-batch b: a step's, or the engine init's where that is higher."""

@@ -3,7 +3,7 @@
 `fitone.engine` builds DeepSpeed's engine through its public API and hands the optimizer to the pieces
 here: the bounded parameter groups and lean host buffers (`layout`), the deferred overflow check
 (`overflow`), the clipping norm summed as for one group (`grad_norm`), the overlapped updates (`overlap`, `delayed`)
-and the pipelined one's opt-in speculative Adam (`speculative`),
+the pipelined one's opt-in speculative Adam (`speculative`) and its share of Adam on the GPU (`gpu_adam`),
 the reset after an out-of-memory error (`oom`), the step mode (`step_mode`), CPU Adam's C++ step powers on
 resume (`cpu_adam`) and the silenced op probe (`ops`).
 They use DeepSpeed's private names (`step_mode` alone reads none: it decides which of them a run takes),

@@ -78,3 +78,16 @@ def replay_steps(adam: Any) -> None:
                 adam.ds_opt_adam.adam_update(adam.opt_id, step, group["lr"], beta1, beta2, group["eps"],
                                              group["weight_decay"], group["bias_correction"], weights, weights,
                                              moments, moments)
+
+
+def deepspeeds_chunk(opt: Any, i: int, grad: torch.Tensor, norm: torch.Tensor | None, hyper: dict[str, Any],
+                     step: int, lo: int, hi: int) -> None:
+    """DeepSpeed's step on elements [lo, hi) of ZeRO-2 optimizer `opt`'s group i: its unscale_and_clip_grads on their
+    fp32 gradient (in place), then DeepSpeedCPUAdam's C++ update of them. Both are elementwise, and the C++ optimizer
+    moves its bias-correction powers only when the step count does, so chunk after chunk gives the bits of its one
+    call per group (chunks on fitone.zero2.overlap.SIMD_BLOCK boundaries: each element takes the same SIMD path)."""
+    adam = opt.optimizer
+    opt.unscale_and_clip_grads([grad], norm)
+    master = opt.single_partition_of_fp32_groups[i]
+    state = adam.state[master]
+    adam_update(adam, step, hyper, master.data[lo:hi], grad, state["exp_avg"][lo:hi], state["exp_avg_sq"][lo:hi])

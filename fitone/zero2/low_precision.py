@@ -239,3 +239,18 @@ def fused_adamw_16bit(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: t
                            1 - lr * weight_decay, weight_decay, adam_w_mode, weight_decay != 0, beta1, 1 - beta1,
                            beta2, 1 - beta2, bc2_sqrt, eps, lr / bc1, rounding == STOCHASTIC,
                            bits.extended if rounding == STOCHASTIC else _NO_TABLE, *tables)
+
+
+def chunk_step(opt: Any, i: int, grad: torch.Tensor, scale: float | None, hyper: dict[str, Any], step: int, lo: int,
+               hi: int, *, rounding: str, bits: RandomBits | None, compensated: bool) -> None:
+    """AdamW on elements [lo, hi) of ZeRO-2 optimizer `opt`'s group i, its bf16 master and moments, from their
+    16-bit gradient in one fused pass (`fused_adamw_16bit`; the pipelined update's 16-bit states)."""
+    adam = opt.optimizer
+    master = opt.single_partition_of_fp32_groups[i]
+    state = adam.state[master]
+    compensation = state["compensation"][lo:hi] if compensated else None
+    fused_adamw_16bit(master.data[lo:hi], state["exp_avg"][lo:hi], state["exp_avg_sq"][lo:hi], grad, step=step,
+                      lr=hyper["lr"], betas=hyper["betas"], eps=hyper["eps"], weight_decay=hyper["weight_decay"],
+                      grad_scale=scale, adam_w_mode=getattr(adam, "adam_w_mode", True),
+                      bias_correction=hyper["bias_correction"], rounding=rounding, bits=bits, group=i, offset=lo,
+                      compensation=compensation)

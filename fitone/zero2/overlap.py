@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from fitone.zero2 import adam32, cpu_adam, low_precision, ranks
+from fitone.zero2 import adam32, cpu_adam, gpu_adam, low_precision, ranks
 from fitone.zero2 import speculative as speculative_update
 from fitone.zero2.layout import CHUNK_ELEMENTS, module_needs
 
@@ -209,9 +209,11 @@ class PipelinedUpdate(OverlappedStep):
     name = "pipelined update"
 
     def __init__(self, optimizer: Any, model: torch.nn.Module, *, after: int, chunk_elements: int | None = None,
-                 host: Any = None, states: str = "fp32", rounding_seed: int = 0, speculative: bool = False):
+                 host: Any = None, states: str = "fp32", rounding_seed: int = 0, speculative: bool = False,
+                 gpu_share: float = 0.0):
         """chunk_elements: per Adam + upload chunk (default: the lean layout's chunk, else UPLOAD_CHUNK);
-        speculative: Adam on chunks during the boundary backward (fitone.zero2.speculative; exact mode only)."""
+        speculative: Adam on chunks during the boundary backward (fitone.zero2.speculative; exact mode only);
+        gpu_share: that fraction of the fp32 Adam's chunks stepped on the GPU (fitone.zero2.gpu_adam; one GPU)."""
         super().__init__(optimizer, after=after)
         self.ranks = ranks.Partitions(optimizer)  # several ranks: chunks are all-gathered as the forward waits
         self.rounding = low_precision.ROUNDING_OF_STATES.get(states)  # None: fp32 states, fused AdamW
@@ -261,6 +263,7 @@ class PipelinedUpdate(OverlappedStep):
         self._kept = self._redo = frozenset()  # (group, chunk)s speculated as the update runs them / at another scale
         self._speculated: dict[str, float] = {}  # the pending update's speculation counters (timing dict)
         self.speculation = speculative_update.Speculation(self) if speculative else None
+        self.gpu_share = gpu_adam.share_for(self, gpu_share)  # None: the CPU steps every chunk
 
     def _plan_chunks(self, chunk_elements: int) -> list[list[int]]:
         return [list(range(chunk_elements, p.numel(), chunk_elements)) + [p.numel()]
@@ -338,33 +341,18 @@ class PipelinedUpdate(OverlappedStep):
         self._kept, self._redo, self._speculated = kept, redo, speculated
         self.pending = self._pool.submit(self._cpu_update, kernel, grads, scale, hyper, steps, done)
 
+    def speculated(self, i: int, c: int) -> bool:
+        """Whether the pending update's chunk c of group i was speculated (kept as it is, or to be redone)."""
+        return (i, c) in self._kept or (i, c) in self._redo
+
     def _deepspeeds_adam(self, i: int, grad: torch.Tensor, norm: torch.Tensor | None, hyper: dict[str, Any],
                          step: int, lo: int, hi: int) -> None:
-        """DeepSpeed's step on elements [lo, hi) of group i: its unscale_and_clip_grads on their fp32 gradient
-        (in place), then DeepSpeedCPUAdam's C++ update of them. Both are elementwise, and the C++ optimizer
-        moves its bias-correction powers only when the step count does, so chunk after chunk gives the bits
-        of its one call per group (chunks on SIMD_BLOCK boundaries: each element takes the same SIMD path)."""
-        opt, adam = self.opt, self.opt.optimizer
-        opt.unscale_and_clip_grads([grad], norm)
-        master = opt.single_partition_of_fp32_groups[i]
-        state = adam.state[master]
-        cpu_adam.adam_update(adam, step, hyper, master.data[lo:hi], grad, state["exp_avg"][lo:hi],
-                             state["exp_avg_sq"][lo:hi])
+        cpu_adam.deepspeeds_chunk(self.opt, i, grad, norm, hyper, step, lo, hi)
 
     def _adam_16bit(self, i: int, grad: torch.Tensor, scale: float | None, hyper: dict[str, Any], step: int,
                     lo: int, hi: int) -> None:
-        """AdamW on elements [lo, hi) of group i's bf16 master and moments from their 16-bit gradient, in one
-        fused pass (fitone.zero2.low_precision.fused_adamw_16bit)."""
-        adam = self.opt.optimizer
-        master = self.opt.single_partition_of_fp32_groups[i]
-        state = adam.state[master]
-        compensation = state["compensation"][lo:hi] if self.compensated else None
-        low_precision.fused_adamw_16bit(master.data[lo:hi], state["exp_avg"][lo:hi], state["exp_avg_sq"][lo:hi],
-                                        grad, step=step, lr=hyper["lr"], betas=hyper["betas"], eps=hyper["eps"],
-                                        weight_decay=hyper["weight_decay"], grad_scale=scale,
-                                        adam_w_mode=getattr(adam, "adam_w_mode", True),
-                                        bias_correction=hyper["bias_correction"], rounding=self.rounding,
-                                        bits=self._bits, group=i, offset=lo, compensation=compensation)
+        low_precision.chunk_step(self.opt, i, grad, scale, hyper, step, lo, hi, rounding=self.rounding,
+                                 bits=self._bits, compensated=self.compensated)
 
     def _cpu_update(self, kernel: Any, grads: list[torch.Tensor] | None, scale: Any, hyper: list[dict[str, Any]],
                     steps: list[int], backward_done: Any) -> dict[str, float]:
@@ -377,10 +365,16 @@ class PipelinedUpdate(OverlappedStep):
             start = time.perf_counter()
             adam_s = 0.0
             k, kept, redo = 0, self._kept, self._redo  # k: chunks uploaded, alternating the two landing buffers
+            share = self.gpu_share if kernel == self._adam and grads is None else None  # fp32 Adam, 16-bit grads
+            if share is not None:
+                share.start(backward_done)
             for i, master in enumerate(opt.single_partition_of_fp32_groups):
                 target = self.ranks.own(i)
                 lo = 0
                 for c, hi in enumerate(self.chunks[i]):
+                    if share is not None and share.took(self, i, c, lo, hi, scale, hyper[i], steps[i], target):
+                        lo = hi
+                        continue
                     t0 = time.perf_counter()
                     if (i, c) in redo:  # speculated at another scale (clipping fired, a new loss scale)
                         self.speculation.redo(scale, i, lo, hi)
@@ -400,7 +394,8 @@ class PipelinedUpdate(OverlappedStep):
                         target.data[lo:hi].copy_(master.data[lo:hi])
                     self.ready[i][c].set()
                     lo = hi
-            return {"adam_s": adam_s, "thread_s": time.perf_counter() - start}
+            timing = {"adam_s": adam_s, "thread_s": time.perf_counter() - start}
+            return timing if share is None else {**timing, **share.finish()}  # its states back on the host
         except BaseException:
             self._failed = True  # before `finally` wakes the main thread, which then raises instead of reading on
             raise
@@ -443,3 +438,5 @@ class PipelinedUpdate(OverlappedStep):
                 handle.remove()
             if getattr(self, "speculation", None) is not None:  # undoes a speculation whose step never came
                 self.speculation.close()
+            if getattr(self, "gpu_share", None) is not None:  # its pages unlocked before DeepSpeed frees them
+                self.gpu_share.close()

@@ -30,6 +30,7 @@ class StepMode:
     rounding_seed: int = 0  # keys stochastic rounding's bits (fitone.zero2.low_precision)
     speculative: bool = False  # the pipelined update's Adam during the backward (fitone.zero2.speculative)
     on_ranks: bool = False  # --pipelined-update under a launcher: the pipelined update on every rank (opt-in)
+    gpu_share: float = 0.0  # the pipelined update's Adam chunks stepped on the GPU (fitone.zero2.gpu_adam)
 
     @property
     def name(self) -> str:
@@ -48,12 +49,13 @@ class StepMode:
         probe's trials hold what training will hold (the pipelined update's landing chunks on the GPU)."""
         return {"delayed_after": self.delayed_after if self.name == DELAYED else None,
                 "pipelined": self.name == PIPELINED, "states": self.states, "rounding_seed": self.rounding_seed,
-                "speculative": self.speculative and self.name == PIPELINED}
+                "speculative": self.speculative and self.name == PIPELINED,
+                "gpu_share": self.gpu_share if self.name == PIPELINED else 0.0}
 
 
 def decide(ds: dict[str, Any], *, delayed_update: bool, delayed_update_after: int, pipelined_update: bool | None,
            world_size: int, on_gpu: bool, optimizer_states: str = "fp32", seed: int = 0,
-           speculative_update: bool = False) -> StepMode:
+           speculative_update: bool = False, gpu_adam_share: float = 0.0) -> StepMode:
     """The step for these flags and `ds` (the DeepSpeed config, the user's --ds-config merged in); a flag that
     cannot be honoured is a ConfigError. A CPU device (nothing to overlap with) and a `ds` that moves the
     optimizer off the CPU, swaps in torch.optim's Adam or sums the gradients in another dtype than the weights'
@@ -84,8 +86,11 @@ def decide(ds: dict[str, Any], *, delayed_update: bool, delayed_update_after: in
         offloaded = (zero.get("offload_optimizer") or {}).get("device") == "cpu"
         one_gpu = PIPELINED if on_gpu and offloaded and cpu_adam and lean else DEEPSPEED
     _check_speculative(speculative_update, one_gpu, world_size, optimizer_states)
+    # a CPU run has no GPU to share with (a recipe's share is for its GPU runs), nor has a launcher's rank
+    share = gpu_adam_share if on_gpu and world_size == 1 and one_gpu == PIPELINED else 0.0
     return StepMode(one_gpu=one_gpu, world_size=world_size, delayed_after=delayed_update_after,
-                    speculative=speculative_update, on_ranks=bool(pipelined_update) and world_size > 1)
+                    speculative=speculative_update, on_ranks=bool(pipelined_update) and world_size > 1,
+                    gpu_share=share)
 
 
 def _check_speculative(asked: bool, one_gpu: str, world_size: int, states: str) -> None:

@@ -37,13 +37,15 @@ def gpu_settings(precision: str, **overrides):
     return TrainConfig(**{**values, **overrides})
 
 
-def gpu_engine(precision: str, *, pipelined: bool, grad_accum: int = 1, speculative: bool = False):
+def gpu_engine(precision: str, *, pipelined: bool, grad_accum: int = 1, speculative: bool = False,
+               gpu_share: float = 0.0):
     """A ZeRO-2 CPU-offload engine on the GPU with the DeepSpeed config training builds there (pinned host
     buffers, overlap_comm, clip 1.0, fp16's dynamic loss scale); `pipelined`: fitone's default step on one
     GPU, else DeepSpeed's own. Seeded weights, no dropout and eager attention, so that two engines given
     the same batches run the same kernels on the same inputs (the fused attention backwards accumulate in
     a varying order) and differ only where their optimizer steps do. `grad_accum` micro-batches a step;
-    `speculative`: the pipelined update's Adam during the backward (fitone.zero2.speculative)."""
+    `speculative`: the pipelined update's Adam during the backward (fitone.zero2.speculative); `gpu_share`: that
+    fraction of its Adam chunks stepped on the GPU (fitone.zero2.gpu_adam)."""
     from fitone.ds_config import build_ds_config
     from fitone.engine import Engine
     from fitone.models import build_model, load_config
@@ -61,7 +63,7 @@ def gpu_engine(precision: str, *, pipelined: bool, grad_accum: int = 1, speculat
     torch.manual_seed(0)
     model = build_model(config)
     ds = build_ds_config(run.with_batch(MICRO_BATCH).with_steps(100))  # on the lane's GPU
-    return Engine(model, ds, pipelined=pipelined, speculative=speculative)
+    return Engine(model, ds, pipelined=pipelined, speculative=speculative, gpu_share=gpu_share)
 
 
 def lm_batch(step: int) -> dict[str, torch.Tensor]:
