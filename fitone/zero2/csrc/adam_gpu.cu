@@ -6,10 +6,14 @@
 
 #include <torch/extension.h>
 
-#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -90,7 +94,7 @@ void step_op(torch::Tensor master, torch::Tensor exp_avg, torch::Tensor exp_avg_
             float(constants[4]), float(constants[5]), float(constants[6]), float(constants[7]),
             float(constants[8]), constants[9] != 0.0};
     const int blocks = int(std::min<int64_t>((n + 255) / 256, 65535));
-    cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+    cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
     auto* P = master.data_ptr<float>();
     auto* M = exp_avg.data_ptr<float>();
     auto* V = exp_avg_sq.data_ptr<float>();
