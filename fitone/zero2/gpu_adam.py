@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from fitone import extensions
-from fitone.zero2 import adam32
+from fitone.zero2 import adam32, layout
 
 OP = "fitone_adam_gpu"
 _SOURCE = Path(__file__).parent / "csrc" / "adam_gpu.cu"
@@ -174,12 +174,8 @@ class GpuShare:
         if held is not None and held.data_ptr() == tensor.data_ptr():
             return tensor
         if held is not None:
-            torch.cuda.cudart().cudaHostUnregister(self._pinned.pop((i, key)).data_ptr())
-        if not tensor.is_pinned():
-            code = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0)
-            if int(code) != 0:
-                raise RuntimeError(f"cudaHostRegister failed ({code}) on {tensor.numel() * tensor.element_size()} "
-                                   "bytes of optimizer state")
+            layout.page_unlock(self._pinned.pop((i, key)).data_ptr())
+        if layout.page_lock(tensor):
             self._pinned[(i, key)] = tensor  # held until unlocked: its pages must not be freed while locked
         return tensor
 
@@ -188,4 +184,4 @@ class GpuShare:
         self.finish()
         while self._pinned:
             _, tensor = self._pinned.popitem()
-            torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
+            layout.page_unlock(tensor.data_ptr())

@@ -34,6 +34,23 @@ WIDEN_ELEMENTS = CHUNK_ELEMENTS
 NORM_CHUNK_ELEMENTS = CHUNK_ELEMENTS
 
 
+def page_lock(tensor: torch.Tensor) -> bool:
+    """Page-lock a host tensor in place (cudaHostRegister: no copy, no extra bytes) so copies to the GPU run
+    asynchronously; False where it already was (or is empty). The caller keeps the tensor alive until page_unlock."""
+    if tensor.numel() == 0 or tensor.is_pinned():
+        return False
+    size = tensor.numel() * tensor.element_size()
+    code = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), size, 0)
+    if int(code) != 0:
+        raise RuntimeError(f"cudaHostRegister failed ({code}) on {size} bytes")
+    return True
+
+
+def page_unlock(address: int) -> None:
+    """Undo page_lock on the tensor at `address`, before its memory is freed."""
+    torch.cuda.cudart().cudaHostUnregister(address)
+
+
 def param_groups(model: torch.nn.Module, max_elements: int | None = None) -> list[dict[str, Any]]:
     """The trainable parameters in declaration order, cut into consecutive groups of at most `max_elements`
     (a larger single tensor gets a group of its own). The optimizer's settings are the same for every
@@ -322,12 +339,8 @@ class LeanHost:
         return self._upcast[:hi - lo].copy_(grads)
 
     def _register(self, tensor: torch.Tensor) -> None:
-        if tensor.numel() == 0 or tensor.is_pinned():
-            return
-        code = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), tensor.numel() * tensor.element_size(), 0)
-        if int(code) != 0:
-            raise RuntimeError(f"cudaHostRegister failed ({code}) on {tensor.numel() * tensor.element_size()} bytes")
-        self._registered.append(tensor.data_ptr())
+        if page_lock(tensor):
+            self._registered.append(tensor.data_ptr())
 
     def host_bytes(self) -> dict[str, int]:
         """What the optimizer holds on the host, by buffer (Adam's moments once its first step made them)."""
@@ -348,7 +361,7 @@ class LeanHost:
     def close(self) -> None:
         """Unlock the pages before DeepSpeed frees the buffers (the driver must not keep recycled pages)."""
         while self._registered:
-            torch.cuda.cudart().cudaHostUnregister(self._registered.pop())
+            page_unlock(self._registered.pop())
 
 
 def _refuse_deepspeeds_step(closure: Any = None) -> None:
