@@ -70,11 +70,24 @@ def adamw(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
           adam_w_mode: bool = True) -> None:
     """fitone.zero2.adam32.adamw's bits on CUDA tensors (a 16-bit gradient, every element in the op's vector loop:
     a chunk of a multiple of its lanes), on the current stream."""
+    _step(master, exp_avg, exp_avg_sq, grad, *arguments(step=step, lr=lr, betas=betas, eps=eps,
+                                                         weight_decay=weight_decay, grad_scale=grad_scale,
+                                                         adam_w_mode=adam_w_mode))
+
+
+def arguments(*, step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+              grad_scale: float | None, adam_w_mode: bool) -> tuple[list[float], bool, int, bool]:
+    """The op's arguments after the tensors (constants, scaled, decay, fused): the same for every piece of a chunk,
+    so GpuShare.run makes them once a chunk."""
     fused = adam32.ARITHMETIC[adam32._capability()][0]
     decay = "none" if weight_decay == 0 else "adamw" if adam_w_mode else "adam"
-    _op().adamw(master, exp_avg, exp_avg_sq, grad,
-                constants(step=step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, grad_scale=grad_scale),
-                grad_scale is not None, DECAYS[decay], fused)
+    return (constants(step=step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, grad_scale=grad_scale),
+            grad_scale is not None, DECAYS[decay], fused)
+
+
+def _step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
+          hyper: list[float], scaled: bool, decay: int, fused: bool) -> None:
+    _op().adamw(master, exp_avg, exp_avg_sq, grad, hyper, scaled, decay, fused)
 
 
 def share_for(update: Any, share: float) -> GpuShare | None:
@@ -138,6 +151,9 @@ class GpuShare:
         state = self.opt.optimizer.state[master]
         m_host, v_host = (self._pin(i, key, state[key]) for key in ("exp_avg", "exp_avg_sq"))
         p_host, g_host = master.data, self.host.gradients[i]  # page-locked by the lean layout
+        args = arguments(step=step, lr=hyper["lr"], betas=hyper["betas"], eps=hyper["eps"],
+                         weight_decay=hyper["weight_decay"], grad_scale=scale,
+                         adam_w_mode=getattr(self.opt.optimizer, "adam_w_mode", True))
         for a in range(lo, hi, PIECE_ELEMENTS):
             b = min(a + PIECE_ELEMENTS, hi)
             n = b - a
@@ -147,9 +163,7 @@ class GpuShare:
                 self.up.wait_event(s["freed"])  # this set's last piece is back on the host
                 for key, src in (("p", p_host), ("m", m_host), ("v", v_host), ("g", g_host)):
                     s[key][:n].copy_(src[a:b], non_blocking=True)
-                adamw(s["p"][:n], s["m"][:n], s["v"][:n], s["g"][:n], step=step, lr=hyper["lr"],
-                      betas=hyper["betas"], eps=hyper["eps"], weight_decay=hyper["weight_decay"], grad_scale=scale,
-                      adam_w_mode=getattr(self.opt.optimizer, "adam_w_mode", True))
+                _step(s["p"][:n], s["m"][:n], s["v"][:n], s["g"][:n], *args)
                 target.data[a:b].copy_(s["p"][:n])  # cast as the CPU chunks' uploads are cast
                 s["stepped"].record(self.up)
             with torch.cuda.stream(self.down):
