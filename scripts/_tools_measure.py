@@ -19,9 +19,9 @@ FITONE_VARIANTS = {"fitone-delayed": {"delayed_update": True, "delayed_update_af
                    "fitone-pipelined": {"pipelined_update": True},
                    "fitone-deepspeed-step": {"pipelined_update": False},
                    "fitone-speculative": {"pipelined_update": True, "speculative_update": True},
-                   "fitone-share": {"pipelined_update": True, "gpu_adam_share": 0.33},
+                   "fitone-share": {"pipelined_update": True, "gpu_adam_share": 0.4},
                    "fitone-speculative-share": {"pipelined_update": True, "speculative_update": True,
-                                                "gpu_adam_share": 0.33}}
+                                                "gpu_adam_share": 0.4}}
 SKIP_MARGIN = 3  # fp16: steps run beyond warm-up + timed, for the warm-up to go on over overflowed steps
 # fitone's defaults with Adam's 16-bit gradients widened in slices of this many elements (fitone.zero2.layout)
 WIDEN_VARIANTS = {"fitone-widen-2m": 2**21, "fitone-widen-8m": 2**23}
@@ -34,7 +34,7 @@ def measure_fitone(job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     `fitone` runs fitone's defaults (on one GPU: the pipelined update); fitone-deepspeed-step /
     fitone-pipelined / fitone-delayed force DeepSpeed's step, the pipelined update, or the delayed update
     from the second step; fitone-speculative the pipelined update with --speculative-update; fitone-share /
-    fitone-speculative-share those with --gpu-adam-share 0.33; fitone-widen-2m /
+    fitone-speculative-share those with --gpu-adam-share 0.4 (the best on llama-7b, 2026-12-07d); fitone-widen-2m /
     -8m widen Adam's 16-bit gradients in slices of that many elements instead of a whole chunk. The split
     detail only for DeepSpeed's step: an overlapped update's CPU work runs beside the next step's GPU work; its
     split has the update's own counters instead (update_cpu_adam_s, update_thread_s, update_wait_s; with
