@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from fitone import extensions
-from fitone.zero2 import adam32, layout
+from fitone.zero2 import adam32, pinning
 
 OP = "fitone_adam_gpu"
 _SOURCE = Path(__file__).parent / "csrc" / "adam_gpu.cu"
@@ -188,8 +188,8 @@ class GpuShare:
         if held is not None and held.data_ptr() == tensor.data_ptr():
             return tensor
         if held is not None:
-            layout.page_unlock(self._pinned.pop((i, key)).data_ptr())
-        if layout.page_lock(tensor):
+            pinning.page_unlock(self._pinned.pop((i, key)).data_ptr())
+        if pinning.page_lock(tensor):
             self._pinned[(i, key)] = tensor  # held until unlocked: its pages must not be freed while locked
         return tensor
 
@@ -198,4 +198,4 @@ class GpuShare:
         self.finish()
         while self._pinned:
             _, tensor = self._pinned.popitem()
-            layout.page_unlock(tensor.data_ptr())
+            pinning.page_unlock(tensor.data_ptr())

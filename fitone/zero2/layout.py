@@ -23,6 +23,7 @@ from typing import Any, Iterator
 import torch
 
 from fitone.errors import RunDirError
+from fitone.zero2 import pinning
 
 GROUP_ELEMENTS = 2**27  # 256 MiB of 16-bit weights per group: the init peak's extra is about two of these
 CHUNK_ELEMENTS = 32 * 2**20  # the lean layout's unit of work on its gradients: the GPU sums, the uploads
@@ -32,23 +33,6 @@ WIDEN_ELEMENTS = CHUNK_ELEMENTS
 # a gradient larger than this is normed in pieces of it (LeanHost._lean_norm): only embeddings of large
 # vocabularies are; every smaller one keeps DeepSpeed's norm bit for bit
 NORM_CHUNK_ELEMENTS = CHUNK_ELEMENTS
-
-
-def page_lock(tensor: torch.Tensor) -> bool:
-    """Page-lock a host tensor in place (cudaHostRegister: no copy, no extra bytes) so copies to the GPU run
-    asynchronously; False where it already was (or is empty). The caller keeps the tensor alive until page_unlock."""
-    if tensor.numel() == 0 or tensor.is_pinned():
-        return False
-    size = tensor.numel() * tensor.element_size()
-    code = torch.cuda.cudart().cudaHostRegister(tensor.data_ptr(), size, 0)
-    if int(code) != 0:
-        raise RuntimeError(f"cudaHostRegister failed ({code}) on {size} bytes")
-    return True
-
-
-def page_unlock(address: int) -> None:
-    """Undo page_lock on the tensor at `address`, before its memory is freed."""
-    torch.cuda.cudart().cudaHostUnregister(address)
 
 
 def param_groups(model: torch.nn.Module, max_elements: int | None = None) -> list[dict[str, Any]]:
@@ -339,7 +323,7 @@ class LeanHost:
         return self._upcast[:hi - lo].copy_(grads)
 
     def _register(self, tensor: torch.Tensor) -> None:
-        if page_lock(tensor):
+        if pinning.page_lock(tensor):
             self._registered.append(tensor.data_ptr())
 
     def host_bytes(self) -> dict[str, int]:
@@ -361,7 +345,7 @@ class LeanHost:
     def close(self) -> None:
         """Unlock the pages before DeepSpeed frees the buffers (the driver must not keep recycled pages)."""
         while self._registered:
-            page_unlock(self._registered.pop())
+            pinning.page_unlock(self._registered.pop())
 
 
 def _refuse_deepspeeds_step(closure: Any = None) -> None:
