@@ -258,13 +258,17 @@ class TrainConfig:
         if not 0 <= self.gpu_adam_share < 1:
             raise ConfigError(f"--gpu-adam-share is the fraction of the CPU Adam's chunks the GPU steps, from 0 "
                               f"(none) up to but not including 1, got {self.gpu_adam_share}")
-        if self.gpu_adam_share and (self.offload != "cpu" or self.optimizer_states != "fp32"
-                                    or self.delayed_update or self.pipelined_update is False):
+        if self.gpu_adam_share and not self.takes_gpu_adam_share():
             raise ConfigError("--gpu-adam-share shares the pipelined update's fp32 CPU Adam with the GPU: it needs "
                               "--offload cpu and --optimizer-states fp32, without --delayed-update or "
                               "--no-pipelined-update")
         if self.delayed_update_after < 0:
             raise ConfigError(f"--delayed-update-after must be 0 or more, got {self.delayed_update_after}")
+
+    def takes_gpu_adam_share(self) -> bool:
+        """Whether these settings run the pipelined update's fp32 CPU Adam, which --gpu-adam-share shares."""
+        return (self.offload == "cpu" and self.optimizer_states == "fp32" and not self.delayed_update
+                and self.pipelined_update is not False)
 
     def _check_speculative_update(self) -> None:
         flag = "--speculative-update"  # the pipelined update's exact mode, run early (fitone.zero2.speculative)

@@ -92,8 +92,19 @@ class Recipe:
         return ""
 
     def config(self, **overrides: Any) -> TrainConfig:
-        """The recipe's values with `overrides` on top (a key=value or a flag beats the file)."""
-        return TrainConfig.from_dict({**self.values, **overrides, "recipe": self.name}, where=f"recipe {self.name}")
+        """The recipe's values with `overrides` on top (a key=value or a flag beats the file). The recipe's
+        gpu_adam_share is tuned for its own step: overrides that take another (--optimizer-states bf16,
+        --no-pipelined-update, --delayed-update, --offload none) train without it, and one line says so."""
+        values = {**self.values, **{k.replace("-", "_"): v for k, v in overrides.items()}, "recipe": self.name}
+        if "gpu_adam_share" in overrides or not values.get("gpu_adam_share"):
+            return TrainConfig.from_dict(values, where=f"recipe {self.name}")
+        share = values.pop("gpu_adam_share")
+        cfg = TrainConfig.from_dict(values, where=f"recipe {self.name}")
+        if cfg.takes_gpu_adam_share():
+            return cfg.replace(gpu_adam_share=share)
+        print(f"fitone: recipe {self.name}'s gpu_adam_share {share} shares the fp32 pipelined update's CPU Adam, "
+              "which these options do not run: training without it", flush=True)
+        return cfg
 
 
 def list_recipes() -> list[Recipe]:

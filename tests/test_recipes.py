@@ -248,3 +248,21 @@ def test_the_optimizer_step_is_auto_unless_a_flag_or_key_says_otherwise():
     assert cfg("--pipelined-update").pipelined_update is True
     assert cfg("pipelined_update=false").pipelined_update is False
     assert cfg("pipelined_update=auto").pipelined_update is None
+
+
+def test_a_recipe_s_gpu_adam_share_gives_way_to_options_that_take_another_step(capsys):
+    """llama-7b/24gb sets gpu_adam_share for its fp32 pipelined Adam: `--optimizer-states bf16` (the README's
+    way to a smaller host) or another step trains without it and says so; a typed share is still refused."""
+    def cfg(*argv: str) -> TrainConfig:
+        return config_from_args(build_parser().parse_args(["train", "--recipe", "llama-7b/24gb", *argv]), TRAIN_FLAGS)
+
+    share = load_recipe("llama-7b/24gb").values["gpu_adam_share"]
+    assert share > 0 and cfg().gpu_adam_share == share and capsys.readouterr().out == ""
+    for argv in (["--optimizer-states", "bf16"], ["--no-pipelined-update"], ["--delayed-update"],
+                 ["--offload", "none"], ["pipelined_update=false"]):
+        built = cfg(*argv)
+        assert built.gpu_adam_share == 0.0 and not built.takes_gpu_adam_share(), argv
+        assert "training without it" in capsys.readouterr().out, argv
+    with pytest.raises(ConfigError, match="--gpu-adam-share shares"):
+        cfg("--optimizer-states", "bf16", "--gpu-adam-share", str(share))
+    assert main(["plan", "--recipe", "llama-7b/24gb", "--optimizer-states", "bf16", "--gpu-mem", "24GiB"]) == 0
