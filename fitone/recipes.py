@@ -95,8 +95,9 @@ class Recipe:
         """The recipe's values with `overrides` on top (a key=value or a flag beats the file). The recipe's
         gpu_adam_share is tuned for its own step: overrides that take another (--optimizer-states bf16,
         --no-pipelined-update, --delayed-update, --offload none) train without it, and one line says so."""
-        values = {**self.values, **{k.replace("-", "_"): v for k, v in overrides.items()}, "recipe": self.name}
-        if "gpu_adam_share" in overrides or not values.get("gpu_adam_share"):
+        given = {k.replace("-", "_"): v for k, v in overrides.items()}  # as from_dict reads them
+        values = {**self.values, **given, "recipe": self.name}
+        if "gpu_adam_share" in given or not values.get("gpu_adam_share"):
             return TrainConfig.from_dict(values, where=f"recipe {self.name}")
         share = values.pop("gpu_adam_share")
         cfg = TrainConfig.from_dict(values, where=f"recipe {self.name}")

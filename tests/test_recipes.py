@@ -265,4 +265,6 @@ def test_a_recipe_s_gpu_adam_share_gives_way_to_options_that_take_another_step(c
         assert "training without it" in capsys.readouterr().out, argv
     with pytest.raises(ConfigError, match="--gpu-adam-share shares"):
         cfg("--optimizer-states", "bf16", "--gpu-adam-share", str(share))
+    with pytest.raises(ConfigError, match="--gpu-adam-share shares"):  # a typed share, however its key is spelled
+        load_recipe("llama-7b/24gb").config(**{"optimizer-states": "bf16", "gpu-adam-share": share})
     assert main(["plan", "--recipe", "llama-7b/24gb", "--optimizer-states", "bf16", "--gpu-mem", "24GiB"]) == 0
