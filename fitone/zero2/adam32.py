@@ -71,12 +71,13 @@ def reads(dtype: torch.dtype) -> bool:
 
 def adamw(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor, *, step: int,
           lr: float, betas: tuple[float, float], eps: float, weight_decay: float, grad_scale: float | None = None,
-          adam_w_mode: bool = True) -> None:
+          adam_w_mode: bool = True, out: torch.Tensor | None = None) -> None:
     """`torch._fused_adamw_` (adam_w_mode) or `torch._fused_adam_` on fp32 `master`, `exp_avg`, `exp_avg_sq`, in
     place, from `grad` (bf16, fp16 or fp32, read only) divided by `grad_scale`, bias-corrected at `step`: the bits
     PyTorch's kernel gives from `grad.float()` in one call on these tensors, under this process's capability. All
-    tensors contiguous; the GIL is released meanwhile."""
-    _op(master, exp_avg, exp_avg_sq, grad, step, lr, betas, eps, weight_decay, grad_scale, adam_w_mode, 0.0)
+    tensors contiguous; the GIL is released meanwhile. `out` (fp16 or bf16, the master's length) gets
+    `master.to(out.dtype)`'s bits of the new master, written block by block while it is in cache."""
+    _op(master, exp_avg, exp_avg_sq, grad, step, lr, betas, eps, weight_decay, grad_scale, adam_w_mode, 0.0, out)
 
 
 def redo_adamw(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor, *,
@@ -91,12 +92,16 @@ def redo_adamw(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Te
 
 def _op(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor, step: int,
         lr: float, betas: tuple[float, float], eps: float, weight_decay: float, grad_scale: float | None,
-        adam_w_mode: bool, undo_scale: float) -> None:
+        adam_w_mode: bool, undo_scale: float, out: torch.Tensor | None = None) -> None:
     fused, lanes, tail_vector = ARITHMETIC[_capability()]
     beta1, beta2 = betas
     extensions.load_native(OP, _SOURCE).adamw(
         master, exp_avg, exp_avg_sq, grad, lr, beta1, beta2, weight_decay, eps, float(step), adam_w_mode,
-        1.0 if grad_scale is None else grad_scale, grad_scale is not None, fused, lanes, tail_vector, undo_scale)
+        1.0 if grad_scale is None else grad_scale, grad_scale is not None, fused, lanes, tail_vector, undo_scale,
+        _NO_OUT if out is None else out)
+
+
+_NO_OUT = torch.empty(0, dtype=torch.float16)  # the op's "no cast" (an empty tensor: pybind takes no None here)
 
 
 def torch_adamw(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor, *,
@@ -112,6 +117,11 @@ def torch_adamw(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.T
 
 
 def step(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
-         **hyper: Any) -> None:
-    """`adamw` from a 16-bit gradient, `torch_adamw` from an fp32 one: one rule for whoever steps a slice."""
-    (torch_adamw if grad.dtype == torch.float32 else adamw)(master, exp_avg, exp_avg_sq, grad, **hyper)
+         out: torch.Tensor | None = None, **hyper: Any) -> None:
+    """`adamw` from a 16-bit gradient, `torch_adamw` from an fp32 one: one rule for whoever steps a slice. `out`
+    gets the new master's 16-bit cast (after PyTorch's kernel: a second pass there)."""
+    if grad.dtype != torch.float32:
+        return adamw(master, exp_avg, exp_avg_sq, grad, out=out, **hyper)
+    torch_adamw(master, exp_avg, exp_avg_sq, grad, **hyper)
+    if out is not None:
+        out.copy_(master)

@@ -80,6 +80,39 @@ def test_the_op_is_bit_for_bit_under_a_lower_cpu_capability(capability):
     assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-2000:]
 
 
+@pytest.mark.numeric
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_the_ops_16_bit_cast_of_the_new_master_is_master_to_dtype_bit_for_bit(grad_dtype, out_dtype):
+    """`out` gets master.to(dtype) of the new master, every size's blocks and tails, fp16's overflow to inf, its
+    subnormals and a tie of each kind among them; the step itself is unchanged. `step` casts after PyTorch's kernel
+    for an fp32 gradient: the same bits."""
+    case = {**CASES[1], "lr": 1e-20}  # a step too small to move the ties and subnormals below off their values
+    for n in SIZES:
+        master, exp_avg, exp_avg_sq, grad = _states(n, n, grad_dtype, case["grad_scale"])
+        master[: n // 2] *= 10.0 ** torch.linspace(-9, 6, n // 2)  # fp16's subnormals, its range and beyond
+        ties = torch.tensor([1 + 2**-11, 1 + 3 * 2**-11, 2**-24 * 1.5, 1 + 2**-8, 1 + 3 * 2**-8, 65520.0, 65519.0])
+        master[-min(n, 7):] = ties[:min(n, 7)]
+        plain = [t.clone() for t in (master, exp_avg, exp_avg_sq)]
+        adam32.adamw(*plain, grad, **case)
+        out = torch.full((n,), -1.0, dtype=out_dtype)
+        states = [t.clone() for t in (master, exp_avg, exp_avg_sq)]
+        adam32.step(*states, grad if grad_dtype != torch.float32 else grad.clone(), out=out, **case)
+        if grad_dtype != torch.float32:  # the op's arithmetic; fp32 gradients take PyTorch's kernel, tested above
+            assert all(torch.equal(a, b) for a, b in zip(states, plain)), n
+        assert torch.equal(out.view(torch.int16), states[0].to(out_dtype).view(torch.int16)), (n, out_dtype)
+        if n == SIZES[-1] and out_dtype == torch.float16:  # the cases named above were there
+            assert out.isinf().any() and ((out != 0) & (out.abs() < 2**-14)).any()
+            assert torch.equal(states[0][-7:], ties) and not torch.equal(out[-7:].float(), ties)
+
+
+def test_the_op_refuses_a_cast_it_cannot_write():
+    master, exp_avg, exp_avg_sq, grad = _states(64, 0, torch.bfloat16, None)
+    for bad in (torch.empty(63, dtype=torch.float16), torch.empty(64), torch.empty(128, dtype=torch.bfloat16)[::2]):
+        with pytest.raises(RuntimeError, match="16-bit cast"):
+            adam32.adamw(master, exp_avg, exp_avg_sq, grad, **CASES[0], out=bad)
+
+
 def test_the_capabilities_differ_so_the_choice_matters():
     """DEFAULT's arithmetic (no FMA) is not AVX2's: were they alike, the capability table would be moot."""
     master, exp_avg, exp_avg_sq, grad = _states(4096, 1, torch.bfloat16, None)
@@ -88,7 +121,7 @@ def test_the_capabilities_differ_so_the_choice_matters():
         states = [t.clone() for t in (master, exp_avg, exp_avg_sq)]
         fused, lanes, tail = adam32.ARITHMETIC[row]
         adam32.extensions.load_native(adam32.OP, adam32._SOURCE).adamw(
-            *states, grad, 1e-3, 0.9, 0.999, 0.01, 1e-8, 3.0, True, 1.0, False, fused, lanes, tail, 0.0)
+            *states, grad, 1e-3, 0.9, 0.999, 0.01, 1e-8, 3.0, True, 1.0, False, fused, lanes, tail, 0.0, adam32._NO_OUT)
         runs.append(states)
     assert not torch.equal(runs[0][1], runs[1][1])
 

@@ -49,6 +49,45 @@ inline void widen_block(const _Float16* __restrict__ src, float* __restrict__ ds
     for (; k < n; ++k) dst[k] = static_cast<float>(src[k]);
 }
 
+// The new master's 16-bit cast, a block at a time while it is in cache (the pipelined update uploads that instead of
+// the fp32 master: half the link's bytes). Round to nearest even, as master.to(dtype) rounds: F16C's conversion and
+// c10::BFloat16's (NaN to its quiet 0x7fc0)
+enum Out { NO_OUT, OUT_HALF, OUT_BF16 };
+
+inline uint16_t narrow_bf16(float f)
+{
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if (std::isnan(f)) return 0x7fc0;
+    return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline void narrow_block(const float* __restrict__ src, void* dst, Out kind, int64_t n)
+{
+    if (kind == OUT_BF16) {
+        auto* d = static_cast<uint16_t*>(dst);
+        for (int64_t k = 0; k < n; ++k) d[k] = narrow_bf16(src[k]);
+        return;
+    }
+    auto* d = static_cast<_Float16*>(dst);
+    int64_t k = 0;
+#if defined(__F16C__)
+    for (; k + 8 <= n; k += 8)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(d + k),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(src + k), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+    for (; k < n; ++k) d[k] = static_cast<_Float16>(src[k]);
+}
+
+struct Cast {
+    void* out;  // the 16-bit copy of the master's elements, indexed as the master; nullptr: none
+    Out kind;
+    void at(const float* P, int64_t lo, int64_t hi) const
+    {
+        if (out) narrow_block(P + lo, static_cast<char*>(out) + 2 * lo, kind, hi - lo);
+    }
+};
+
 // PLAIN: no FMA (DEFAULT). VECTOR: PyTorch's vector loop on AVX2/AVX512, exp_avg_sq = fma(c2 * g, g, v * beta2).
 // SCALAR: its scalar tail there, exp_avg_sq = fma(v, beta2, c2 * g * g). Both fused ones: the lerp and Adam's
 // (not W's) weight decay as one FMA each.
@@ -120,8 +159,8 @@ void undo_block(float* __restrict__ P, float* __restrict__ M, float* __restrict_
 // block() over [lo, hi), through the L1 buffer where the gradient is fp16; with `undo`, each block is first taken
 // back one step (from the same gradient at the undo's scale) while it is in cache: a redo costs one pass, not two
 template <typename grad_t, bool SCALE, Decay DECAY, Arith A>
-void span(float* P, float* M, float* V, const grad_t* G, int64_t lo, int64_t hi, const Hyper& h,
-          const Undo* undo = nullptr)
+void span(float* P, float* M, float* V, const grad_t* G, int64_t lo, int64_t hi, const Hyper& h, const Undo* undo,
+          const Cast& cast)
 {
     if constexpr (std::is_same_v<grad_t, _Float16>) {
         alignas(64) float buf[BLOCK];
@@ -130,19 +169,21 @@ void span(float* P, float* M, float* V, const grad_t* G, int64_t lo, int64_t hi,
             widen_block(G + a, buf, n);
             if (undo) undo_block<float, DECAY>(P + a, M + a, V + a, buf, 0, n, *undo);
             block<float, SCALE, DECAY, A>(P + a, M + a, V + a, buf, 0, n, h);
+            cast.at(P, a, a + n);
         }
     } else {
         for (int64_t a = lo; a < hi; a += BLOCK) {
             const int64_t b = std::min(hi, a + BLOCK);
             if (undo) undo_block<grad_t, DECAY>(P, M, V, G, a, b, *undo);
             block<grad_t, SCALE, DECAY, A>(P, M, V, G, a, b, h);
+            cast.at(P, a, b);
         }
     }
 }
 
 template <typename grad_t, bool SCALE, Decay DECAY>
 void regions(float* P, float* M, float* V, const grad_t* G, int64_t n, const Hyper& h, Arith body, int64_t lanes,
-             int64_t tail_vector, const Undo* undo)
+             int64_t tail_vector, const Undo* undo, const Cast& cast)
 {
     // PyTorch's vector loop covers whole vectors of the call's elements; its scalar tail the rest, of which its
     // compiler vectorized whole runs of `tail_vector` (AVX512: one 8-lane epilogue) with the vector loop's arithmetic
@@ -151,27 +192,27 @@ void regions(float* P, float* M, float* V, const grad_t* G, int64_t n, const Hyp
     at::parallel_for(0, (body_end + BLOCK - 1) / BLOCK, 16, [&](int64_t first, int64_t last) {
         for (int64_t b = first; b < last; ++b) {
             const int64_t lo = b * BLOCK, hi = std::min(body_end, lo + BLOCK);
-            if (body == PLAIN) span<grad_t, SCALE, DECAY, PLAIN>(P, M, V, G, lo, hi, h, undo);
-            else span<grad_t, SCALE, DECAY, VECTOR>(P, M, V, G, lo, hi, h, undo);
+            if (body == PLAIN) span<grad_t, SCALE, DECAY, PLAIN>(P, M, V, G, lo, hi, h, undo, cast);
+            else span<grad_t, SCALE, DECAY, VECTOR>(P, M, V, G, lo, hi, h, undo, cast);
         }
     });
-    if (body == PLAIN) return span<grad_t, SCALE, DECAY, PLAIN>(P, M, V, G, body_end, n, h, undo);
-    span<grad_t, SCALE, DECAY, VECTOR>(P, M, V, G, body_end, vector_end, h, undo);
-    span<grad_t, SCALE, DECAY, SCALAR>(P, M, V, G, vector_end, n, h, undo);
+    if (body == PLAIN) return span<grad_t, SCALE, DECAY, PLAIN>(P, M, V, G, body_end, n, h, undo, cast);
+    span<grad_t, SCALE, DECAY, VECTOR>(P, M, V, G, body_end, vector_end, h, undo, cast);
+    span<grad_t, SCALE, DECAY, SCALAR>(P, M, V, G, vector_end, n, h, undo, cast);
 }
 
 template <typename grad_t>
 void dispatch(float* P, float* M, float* V, const grad_t* G, int64_t n, const Hyper& h, bool scale, Decay decay,
-              Arith body, int64_t lanes, int64_t tail_vector, const Undo* u)
+              Arith body, int64_t lanes, int64_t tail_vector, const Undo* u, const Cast& c)
 {
     if (scale) {
-        if (decay == ADAMW_DECAY) return regions<grad_t, true, ADAMW_DECAY>(P, M, V, G, n, h, body, lanes, tail_vector, u);
-        if (decay == ADAM_DECAY) return regions<grad_t, true, ADAM_DECAY>(P, M, V, G, n, h, body, lanes, tail_vector, u);
-        return regions<grad_t, true, NO_DECAY>(P, M, V, G, n, h, body, lanes, tail_vector, u);
+        if (decay == ADAMW_DECAY) return regions<grad_t, true, ADAMW_DECAY>(P, M, V, G, n, h, body, lanes, tail_vector, u, c);
+        if (decay == ADAM_DECAY) return regions<grad_t, true, ADAM_DECAY>(P, M, V, G, n, h, body, lanes, tail_vector, u, c);
+        return regions<grad_t, true, NO_DECAY>(P, M, V, G, n, h, body, lanes, tail_vector, u, c);
     }
-    if (decay == ADAMW_DECAY) return regions<grad_t, false, ADAMW_DECAY>(P, M, V, G, n, h, body, lanes, tail_vector, u);
-    if (decay == ADAM_DECAY) return regions<grad_t, false, ADAM_DECAY>(P, M, V, G, n, h, body, lanes, tail_vector, u);
-    regions<grad_t, false, NO_DECAY>(P, M, V, G, n, h, body, lanes, tail_vector, u);
+    if (decay == ADAMW_DECAY) return regions<grad_t, false, ADAMW_DECAY>(P, M, V, G, n, h, body, lanes, tail_vector, u, c);
+    if (decay == ADAM_DECAY) return regions<grad_t, false, ADAM_DECAY>(P, M, V, G, n, h, body, lanes, tail_vector, u, c);
+    regions<grad_t, false, NO_DECAY>(P, M, V, G, n, h, body, lanes, tail_vector, u, c);
 }
 
 // lr, betas, eps, weight_decay, step and scale as PyTorch's kernel takes them (doubles; its step a float, its
@@ -179,7 +220,7 @@ void dispatch(float* P, float* M, float* V, const grad_t* G, int64_t n, const Hy
 // states back the step they took at that scale (same step, hyperparameters and gradient), block by block
 void step_op(torch::Tensor master, torch::Tensor exp_avg, torch::Tensor exp_avg_sq, torch::Tensor grad, double lr,
              double beta1, double beta2, double weight_decay, double eps, double step, bool adam_w_mode, double scale,
-             bool has_scale, bool fused, int64_t lanes, int64_t tail_vector, double undo_scale)
+             bool has_scale, bool fused, int64_t lanes, int64_t tail_vector, double undo_scale, torch::Tensor out16)
 {
     const int64_t n = master.numel();
     for (const auto* t : {&master, &exp_avg, &exp_avg_sq}) {
@@ -190,6 +231,13 @@ void step_op(torch::Tensor master, torch::Tensor exp_avg, torch::Tensor exp_avg_
     TORCH_CHECK(grad.numel() == n && grad.is_contiguous() && grad.device().is_cpu(),
                 "the gradient must be a contiguous CPU tensor of the master's length");
     TORCH_CHECK(lanes > 0, "lanes must be positive");
+    Cast cast{nullptr, NO_OUT};
+    if (out16.numel() > 0) {  // empty: no cast
+        TORCH_CHECK(out16.numel() == n && out16.is_contiguous() && out16.device().is_cpu() &&
+                        (out16.scalar_type() == torch::kHalf || out16.scalar_type() == torch::kBFloat16),
+                    "the master's 16-bit cast goes to a contiguous fp16 or bf16 CPU tensor of its length");
+        cast = {out16.data_ptr(), out16.scalar_type() == torch::kHalf ? OUT_HALF : OUT_BF16};
+    }
     const double s = double(float(step));  // PyTorch reads its step tensor as a float
     const double bias_correction1 = 1 - std::pow(beta1, s);
     const double bias_correction2 = 1 - std::pow(beta2, s);
@@ -212,14 +260,14 @@ void step_op(torch::Tensor master, torch::Tensor exp_avg, torch::Tensor exp_avg_
     switch (grad.scalar_type()) {
         case torch::kBFloat16:
             dispatch(P, M, V, reinterpret_cast<const uint16_t*>(grad.data_ptr()), n, h, has_scale, how, body, lanes,
-                     tail_vector, undo);
+                     tail_vector, undo, cast);
             break;
         case torch::kHalf:
             dispatch(P, M, V, reinterpret_cast<const _Float16*>(grad.data_ptr()), n, h, has_scale, how, body, lanes,
-                     tail_vector, undo);
+                     tail_vector, undo, cast);
             break;
         case torch::kFloat:
-            dispatch(P, M, V, grad.data_ptr<float>(), n, h, has_scale, how, body, lanes, tail_vector, undo);
+            dispatch(P, M, V, grad.data_ptr<float>(), n, h, has_scale, how, body, lanes, tail_vector, undo, cast);
             break;
         default: TORCH_CHECK(false, "the gradient must be bf16, fp16 or fp32, not ", grad.scalar_type());
     }
@@ -231,6 +279,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m)
 {
     // the GIL is released: the pipelined update runs this in its thread beside the main thread's launches
     m.def("adamw", &step_op, "PyTorch's fused CPU AdamW, bit for bit, from a 16-bit or fp32 gradient read as it is; "
-          "with undo_scale > 0, after taking the states back the step they took at that scale",
+          "with undo_scale > 0, after taking the states back the step they took at that scale; a non-empty out16 "
+          "gets the new master's 16-bit cast",
           py::call_guard<py::gil_scoped_release>());
 }
