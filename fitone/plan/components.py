@@ -15,7 +15,7 @@ from fitone.plan.activations import Lengths, activation_bytes, activation_moment
 from fitone.plan.result import Component
 from fitone.plan.shape import ModelShape
 from fitone.units import GIB
-from fitone.zero2 import gpu_adam, layout, low_precision, overlap, speculative
+from fitone.zero2 import gpu_adam, layout, low_precision, overlap, speculative, upload
 
 CUDA_CONTEXT = GIB // 2  # the CUDA context and kernels live outside the allocator (and outside any cap)
 # What the caching allocator reserves beyond what it hands out, with expandable segments (the default). Two probes
@@ -50,7 +50,7 @@ class _Setup:
     pin_memory: bool
     on_gpu: bool
     delayed_update: bool = False  # a second fp32 gradient buffer (fitone.zero2.overlap)
-    pipelined_update: bool = False  # two fp32 upload chunks on the GPU (fitone.zero2.overlap)
+    pipelined_update: bool = False  # two upload chunks, on the GPU or the host (fitone.zero2.upload)
     fused_loss: str | None = None  # causal LMs: the fused LM head + loss's backend (fitone.loss), None: the model's
     optimizer_states: str = "fp32"  # bf16 ones: bf16 master and moments on the lean layout (fitone.zero2.low_precision)
     speculative_update: bool = False  # a chunk's scratch for undoing its early Adam (fitone.zero2.speculative)
@@ -90,10 +90,11 @@ def _gpu_components(st: _Setup, offload: bool, micro_batch: int) -> list[Compone
                                + (", an fp32 copy for the CPU" if upcast else "")))
     if offload:
         if st.pipelined_update and st.on_gpu:
+            landing = upload.buffer_bytes(min(overlap.UPLOAD_CHUNK, part), st.master, w)[0]
             kind = "fp32" if st.master == 4 else "bf16"
-            comps.append(Component("pipelined-update landing", "buffers",
-                                   2 * st.master * min(overlap.UPLOAD_CHUNK, part),
-                                   f"two {kind} chunks: the updated master goes up and is cast on the GPU"))
+            if landing:  # none where the cast is made on the host (its chunks are there)
+                comps.append(Component("pipelined-update landing", "buffers", landing,
+                                       f"two {kind} chunks: the updated master goes up and is cast on the GPU"))
             if st.gpu_share:
                 comps.append(Component("GPU Adam share", "buffers", gpu_adam.gpu_bytes(),
                                        f"{gpu_adam.SETS} pieces of fp32 master and moments and 16-bit gradients, "
@@ -265,7 +266,10 @@ def _host_components(st: _Setup, offload: bool) -> list[Component]:
         return [Component("model load", "weights", 4 * s.n_params, "fp32 weights on the CPU before they move"),
                 Component("process baseline", "overhead", baseline, "python, torch, CUDA, DeepSpeed")]
     if st.pipelined_update:  # the lean host layout (fitone.zero2.layout): the arithmetic's 14 B/param, little else
-        return _lean_host_components(st, part) + [
+        chunks = upload.buffer_bytes(min(overlap.UPLOAD_CHUNK, part), st.master, w)[1] if st.on_gpu else 0
+        cast = [Component("pipelined-update upload chunks", "buffers", chunks,
+                          "two page-locked 16-bit chunks: Adam writes the master's cast there, and it goes up")]
+        return _lean_host_components(st, part) + (cast if chunks else []) + [
             Component("process baseline", "overhead", baseline, "python, torch, CUDA, DeepSpeed")]
     pin = _pow2 if st.pin_memory else (lambda x: x)
     pinned = " pinned" if st.pin_memory else ""

@@ -26,7 +26,7 @@ from fitone.models import CAUSAL
 from fitone.probe.results import ProbeResult
 from fitone.probe.trial import NAMED_SOURCES
 from fitone.run import Run
-from fitone.zero2 import installed_version, step_mode
+from fitone.zero2 import installed_version, step_mode, upload
 
 
 def cache_dir() -> Path:
@@ -63,7 +63,10 @@ def probe_key(run: Run) -> dict[str, Any]:
         "torch": torch.__version__, "transformers": transformers.__version__,
     }
     if run.mode.on_one_gpu().name == step_mode.PIPELINED:
-        key["pipelined_update"] = True  # its landing chunks take GPU memory (the delayed update's extra is on the host)
+        # its landing chunks take GPU memory (the delayed update's extra is on the host), unless the cast is made on
+        # the host (fitone.zero2.upload), which a probe from before it did not know
+        master, weights = (4 if run.mode.states == "fp32" else 2), (4 if precision == "fp32" else 2)
+        key["pipelined_update"] = "cast on the host" if upload.casts_on_host(master, weights) else True
     if run.mode.states != "fp32":
         key["optimizer_states"] = run.mode.states  # 16-bit masters land in 16-bit chunks: less GPU than the exact mode
     return key

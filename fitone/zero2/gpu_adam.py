@@ -97,7 +97,14 @@ def share_for(update: Any, share: float) -> GpuShare | None:
         extensions._say("--gpu-adam-share runs on one GPU's lean layout with fp32 optimizer states, 16-bit "
                         "gradients and fitone's exact fp32 Adam (x86): the CPU steps every chunk here")
         return None
-    return GpuShare(update.opt, update.host, share) if share else None
+    if not share:
+        return None
+    gpu_share = GpuShare(update.opt, update.host, share)
+    for i in range(len(update.chunks)):  # made as the first step makes them, to be page-locked before any step
+        state = update.state(i)
+        for key in ("exp_avg", "exp_avg_sq"):
+            gpu_share._pin(i, key, state[key])
+    return gpu_share
 
 
 class GpuShare:
@@ -183,7 +190,9 @@ class GpuShare:
         return {"gpu_chunks": float(self._taken)}
 
     def _pin(self, i: int, key: str, tensor: torch.Tensor) -> torch.Tensor:
-        """Page-lock `tensor` in place (once: the copies must be asynchronous); one that replaced it is re-locked."""
+        """Page-lock `tensor` in place (once: the copies must be asynchronous); one that replaced it (a resume) is
+        re-locked. share_for locks the moments first, when the engine is built: locking them takes seconds
+        (bench/results/2026-12-07d-gpu), which would otherwise land in a training step."""
         held = self._pinned.get((i, key))
         if held is not None and held.data_ptr() == tensor.data_ptr():
             return tensor

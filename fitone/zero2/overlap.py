@@ -23,8 +23,9 @@ import torch
 from fitone.zero2 import adam32, cpu_adam, gpu_adam, low_precision, ranks
 from fitone.zero2 import speculative as speculative_update
 from fitone.zero2.layout import CHUNK_ELEMENTS, module_needs
+from fitone.zero2.upload import Uploads
 
-UPLOAD_CHUNK = CHUNK_ELEMENTS  # elements per pipelined Adam + upload chunk (two fp32 chunks on the GPU: 256 MiB)
+UPLOAD_CHUNK = CHUNK_ELEMENTS  # elements per pipelined Adam + upload chunk (fitone.zero2.upload's two chunks)
 # DeepSpeedCPUAdam's C++ step runs whole SIMD blocks (up to 16 lanes x 8) and a scalar tail: chunks cut at
 # multiples of this give every element the path DeepSpeed's one call per group gives it
 SIMD_BLOCK = 256
@@ -126,16 +127,17 @@ class OverlappedStep:
         opt.reset_cpu_buffers()
 
     def _adam(self, i: int, grad: torch.Tensor, scale: float | None, hyper: dict[str, Any], step: int,
-              lo: int = 0, hi: int | None = None) -> None:
+              lo: int = 0, hi: int | None = None, out: torch.Tensor | None = None) -> None:
         """AdamW on elements [lo, hi) of group i's fp32 master and DeepSpeedCPUAdam's states for it, from
         `grad` (those elements' gradient: fp32 by PyTorch's fused kernel, 16-bit by fitone.zero2.adam32's, the same
-        bits), with the unscale/clip folded in (one pass over the gradients instead of DeepSpeed's two)."""
+        bits), with the unscale/clip folded in (one pass over the gradients instead of DeepSpeed's two); `out` gets
+        the new master's 16-bit cast."""
         adam = self.opt.optimizer
         master = self.opt.single_partition_of_fp32_groups[i]
         state, sl = adam.state[master], slice(lo, hi)
-        adam32.step(master.data[sl], state["exp_avg"][sl], state["exp_avg_sq"][sl], grad, step=step, lr=hyper["lr"],
-                    betas=hyper["betas"], eps=hyper["eps"], weight_decay=hyper["weight_decay"], grad_scale=scale,
-                    adam_w_mode=getattr(adam, "adam_w_mode", True))
+        adam32.step(master.data[sl], state["exp_avg"][sl], state["exp_avg_sq"][sl], grad, out=out, step=step,
+                    lr=hyper["lr"], betas=hyper["betas"], eps=hyper["eps"], weight_decay=hyper["weight_decay"],
+                    grad_scale=scale, adam_w_mode=getattr(adam, "adam_w_mode", True))
 
     def state(self, i: int) -> dict[str, Any]:
         """DeepSpeedCPUAdam's state for group i, made as its first step makes it where it does not exist yet
@@ -186,7 +188,8 @@ class OverlappedStep:
 class PipelinedUpdate(OverlappedStep):
     """Step N's update, chunk by chunk in flat-buffer order (the order the model's parameters are
     declared, which is close to the order the forward uses them), runs while step N+1's forward runs.
-    Each chunk's fp32 master weights go up as they are and are cast to 16 bits on the GPU.
+    Each chunk goes up into the 16-bit weights through fitone.zero2.upload (cast on the host as Adam writes it, with
+    an fp32 master and 16-bit weights).
 
     On the lean host layout (`host`, fitone.zero2.layout.LeanHost; the engine's case) Adam reads each chunk's bf16
     gradient as it is (fitone.zero2.adam32, PyTorch's fused AdamW's bits; fp16 ones, or where its op cannot be
@@ -249,15 +252,9 @@ class PipelinedUpdate(OverlappedStep):
         self.uploaded: list[list[Any]] = []  # per group and chunk: a CUDA event (None on the CPU)
         self.waited: list[int] = []  # per group: chunks the main stream already waited for, this step
         self._failed = False  # the thread raised: its `finally` sets every chunk ready before the future is done
-        self._side = None
-        if optimizer.bit16_groups_flat[0].is_cuda:
-            self._side = torch.cuda.Stream()
-            # two fp32 chunks on the GPU: a chunk's fp32 master goes up and is cast there, so the CPU
-            # skips DeepSpeed's fp32->16-bit staging pass (memory-bound, on the forward's critical path);
-            # a bf16 master (16-bit states) goes up as it is, in bf16 chunks
-            size = max(hi - lo for ends in self.chunks for lo, hi in zip([0] + ends[:-1], ends))
-            self._landing = [torch.empty(size, dtype=optimizer.single_partition_of_fp32_groups[0].dtype,
-                                         device=optimizer.bit16_groups_flat[0].device) for _ in range(2)]
+        self._side = torch.cuda.Stream() if optimizer.bit16_groups_flat[0].is_cuda else None  # the uploads' stream
+        size = max(hi - lo for ends in self.chunks for lo, hi in zip([0] + ends[:-1], ends))
+        self.uploads = Uploads(optimizer, self._side, size)
         self._hooks = [m.register_forward_pre_hook(self._pre_forward(needs))
                        for m, needs in module_needs(optimizer, model, self.ranks.sizes)]
         self._kept = self._redo = frozenset()  # (group, chunk)s speculated as the update runs them / at another scale
@@ -364,7 +361,7 @@ class PipelinedUpdate(OverlappedStep):
                 self._side.wait_event(backward_done)
             start = time.perf_counter()
             adam_s = 0.0
-            k, kept, redo = 0, self._kept, self._redo  # k: chunks uploaded, alternating the two landing buffers
+            kept, redo = self._kept, self._redo
             share = self.gpu_share if kernel == self._adam and grads is None else None  # fp32 Adam, 16-bit grads
             if share is not None:
                 share.start(backward_done)
@@ -375,23 +372,16 @@ class PipelinedUpdate(OverlappedStep):
                     if share is not None and share.took(self, i, c, lo, hi, scale, hyper[i], steps[i], target):
                         lo = hi
                         continue
+                    fresh = (i, c) not in kept and (i, c) not in redo
+                    out = self.uploads.out(target.data[lo:hi]) if fresh else None  # where Adam writes its cast
                     t0 = time.perf_counter()
+                    cast = False
                     if (i, c) in redo:  # speculated at another scale (clipping fired, a new loss scale)
                         self.speculation.redo(scale, i, lo, hi)
                     elif (i, c) not in kept:  # a kept speculation already ran this very Adam on the chunk
-                        self._adam_chunk(kernel, grads, scale, hyper[i], steps[i], i, lo, hi)
+                        cast = self._adam_chunk(kernel, grads, scale, hyper[i], steps[i], i, lo, hi, out)
                     adam_s += time.perf_counter() - t0
-                    if self._side is not None:  # the side stream runs chunks in order: a landing buffer is
-                        landing = self._landing[k % 2][:hi - lo]  # free once the cast two chunks back is done
-                        with torch.cuda.stream(self._side):
-                            landing.copy_(master.data[lo:hi], non_blocking=True)  # the pinned master
-                            target.data[lo:hi].copy_(landing)
-                            event = torch.cuda.Event()
-                            event.record(self._side)
-                        self.uploaded[i][c] = event
-                        k += 1
-                    else:
-                        target.data[lo:hi].copy_(master.data[lo:hi])
+                    self.uploaded[i][c] = self.uploads.send(master.data[lo:hi], target.data[lo:hi], cast)
                     self.ready[i][c].set()
                     lo = hi
             timing = {"adam_s": adam_s, "thread_s": time.perf_counter() - start}
@@ -405,15 +395,21 @@ class PipelinedUpdate(OverlappedStep):
                     event.set()
 
     def _adam_chunk(self, kernel: Any, grads: list[torch.Tensor] | None, scale: Any, hyper: dict[str, Any],
-                    step: int, i: int, lo: int, hi: int) -> None:
+                    step: int, i: int, lo: int, hi: int, out: torch.Tensor | None = None) -> bool:
         """`kernel` on elements [lo, hi) of group i: from the 16-bit gradient as it is where the kernel reads it (the
-        16-bit step; the fp32 Adam where `reads_16bit`), else a widened slice at a time (fp32 gradients: at once)."""
-        if grads is None and (self.rounding is not None or (self.reads_16bit and kernel == self._adam)):
-            return kernel(i, self.host.gradients[i][lo:hi], scale, hyper, step, lo, hi)
+        16-bit step; the fp32 Adam where `reads_16bit`, which also writes the master's 16-bit cast into `out`), else
+        a widened slice at a time (fp32 gradients: at once). Returns whether `out` was written."""
+        if grads is None and self.rounding is None and self.reads_16bit and kernel == self._adam:
+            kernel(i, self.host.gradients[i][lo:hi], scale, hyper, step, lo, hi, out=out)
+            return out is not None
+        if grads is None and self.rounding is not None:
+            kernel(i, self.host.gradients[i][lo:hi], scale, hyper, step, lo, hi)
+            return False
         piece = (self.host.widen_elements if grads is None and self.host.widens else None) or hi - lo
         for a in range(lo, hi, piece):
             b = min(a + piece, hi)
             kernel(i, self.host.fp32_gradient(i, a, b) if grads is None else grads[i][a:b], scale, hyper, step, a, b)
+        return False
 
     def sync(self) -> None:
         if self.speculation is not None:  # a speculation no step resolved (read or saved now) is undone
@@ -424,8 +420,7 @@ class PipelinedUpdate(OverlappedStep):
         timing = {**self._result(pending), **self._speculated}
         for i, ends in enumerate(self.chunks):
             self._wait_for(i, len(ends) - 1)  # the GPU stream now follows every upload
-        if self._side is not None:
-            self._side.synchronize()  # the uploads have read the fp32 master: the next update may write it
+        self.uploads.synchronize()  # the uploads have read the master: the next update may write it
         self.ready = []
         self.last_timing = {**timing, "wait_s": self._wait_s}
         self.opt._lazy_init_hp_params_optimizer_state()

@@ -46,7 +46,7 @@ class StepMode:
 
     def engine_options(self) -> dict[str, Any]:
         """fitone.engine.Engine's keyword arguments: training and the probe build the same engine, so a
-        probe's trials hold what training will hold (the pipelined update's landing chunks on the GPU)."""
+        probe's trials hold what training will hold (the pipelined update's upload chunks)."""
         return {"delayed_after": self.delayed_after if self.name == DELAYED else None,
                 "pipelined": self.name == PIPELINED, "states": self.states, "rounding_seed": self.rounding_seed,
                 "speculative": self.speculative and self.name == PIPELINED,

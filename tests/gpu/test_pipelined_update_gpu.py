@@ -1,4 +1,4 @@
-"""The pipelined update (fitone's default step on one GPU) on the GPU: its side stream, landing buffers and
+"""The pipelined update (fitone's default step on one GPU) on the GPU: its side stream, upload chunks and
 events, pinned host buffers and overlap_comm, against DeepSpeed's own step over 20 steps of gpt2.
 
 tests/zero2/test_overlap.py proves the arithmetic on the CPU in fp32; only here do the uploads run on a CUDA
@@ -124,5 +124,32 @@ def test_the_lean_layout_is_deepspeeds_layout_bit_for_bit_on_the_gpu(precision):
     record(f"lean_vs_deepspeeds_layout[{precision}-accum{grad_accum}]", peak_gpu_gib=[runs[False][4], runs[True][4]],
            losses_deepspeeds_layout=runs[False][0], losses_lean=runs[True][0])
     assert runs[True][0] == runs[False][0] and runs[True][3] == runs[False][3]
+    assert all(torch.equal(runs[True][1][k], runs[False][1][k]) for k in runs[False][1])
+    assert all(torch.equal(a, b) for a, b in zip(runs[True][2], runs[False][2]))
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_the_cast_on_the_host_is_the_cast_on_the_gpu_bit_for_bit(monkeypatch, precision):
+    """fitone.zero2.upload: the 16-bit cast written by Adam into page-locked host chunks and sent up (2 B a weight)
+    against the fp32 master sent up and cast on the GPU (HOST_CAST off), 3 micro-batches a step: every loss, master
+    and 16-bit weight the same bits (both round to nearest even), and no fp32 landing chunks on the GPU."""
+    from fitone.zero2 import upload
+
+    runs = {}
+    for on_host in (False, True):
+        monkeypatch.setattr(upload, "HOST_CAST", on_host)
+        engine = gpu_engine(precision, pipelined=True, grad_accum=3)
+        try:
+            uploads = engine.overlap.uploads
+            assert uploads.on_host == on_host
+            assert all(c.is_cuda != on_host and (not on_host or c.is_pinned()) for c in uploads._chunks)
+            losses = [train_step(engine, step, 3) for step in range(1, STEPS + 1)]
+            engine.sync_weights()
+            runs[on_host] = losses, weights(engine), masters(engine), engine.skipped_steps
+        finally:
+            engine.close()
+    record(f"host_cast_vs_gpu_cast[{precision}]", losses_gpu_cast=runs[False][0], losses_host_cast=runs[True][0])
+    assert runs[True][0] == runs[False][0] and runs[True][3] == runs[False][3]
+    assert runs[False][0][-1] < 0.8 * runs[False][0][0]  # the updates moved the loss
     assert all(torch.equal(runs[True][1][k], runs[False][1][k]) for k in runs[False][1])
     assert all(torch.equal(a, b) for a, b in zip(runs[True][2], runs[False][2]))
