@@ -35,8 +35,9 @@ def measure_fitone(job: dict[str, Any]) -> Iterator[dict[str, Any]]:
     fitone-pipelined / fitone-delayed force DeepSpeed's step, the pipelined update, or the delayed update
     from the second step; fitone-speculative the pipelined update with --speculative-update; fitone-share /
     fitone-speculative-share those with --gpu-adam-share 0.4 (the best on llama-7b, 2026-12-07d); fitone-widen-2m /
-    -8m widen Adam's 16-bit gradients in slices of that many elements instead of a whole chunk; fitone-gpu-cast
-    sends the fp32 master up to be cast on the GPU, as before 2026-12-08 (fitone.zero2.upload.HOST_CAST off). The split
+    -8m widen Adam's 16-bit gradients in slices of that many elements instead of a whole chunk; fitone-host-cast
+    sends up the 16-bit cast Adam writes on the host (fitone.zero2.upload.HOST_CAST; 2026-12-08's call 1 ran it as
+    `fitone`, with the default then on, against `fitone-gpu-cast`, today's default). The split
     detail only for DeepSpeed's step: an overlapped update's CPU work runs beside the next step's GPU work; its
     split has the update's own counters instead (update_cpu_adam_s, update_thread_s, update_wait_s; with
     --speculative-update also update_speculated_chunks, update_rolled_back_chunks, update_redone_chunks,
@@ -60,10 +61,10 @@ def measure_fitone(job: dict[str, Any]) -> Iterator[dict[str, Any]]:
         from fitone.zero2 import layout
 
         layout.WIDEN_ELEMENTS = WIDEN_VARIANTS[job["tool"]]  # read when the engine builds its LeanHost
-    if job["tool"] == "fitone-gpu-cast":
+    if job["tool"] == "fitone-host-cast":
         from fitone.zero2 import upload
 
-        upload.HOST_CAST = False  # read when the pipelined update builds its Uploads
+        upload.HOST_CAST = True  # read when the pipelined update builds its Uploads
     accum = job.get("grad_accum", 1)
     if accum > 1:
         options["global_batch"] = size * accum

@@ -60,7 +60,7 @@ TOOL_TABLE = (
     ("fitone-speculative", True, True, False),
     ("fitone-share", True, True, False),
     ("fitone-speculative-share", True, True, False),
-    ("fitone-gpu-cast", True, True, False),
+    ("fitone-host-cast", True, True, False),
 )
 TOOLS = tuple(name for name, *_ in TOOL_TABLE)
 DEFAULT_TOOLS = TOOLS[:5]

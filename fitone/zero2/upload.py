@@ -1,10 +1,11 @@
 """The pipelined update's uploads: each stepped chunk of the master goes up into the model's 16-bit weights.
 
-With an fp32 master and 16-bit weights (fp16 or bf16 training, fp32 optimizer states), fitone's fp32 Adam writes
-the new master's 16-bit cast as it goes (fitone.zero2.adam32's `out`: the same round-to-nearest bits the GPU's cast
-gives) into one of two page-locked host chunks, and that goes up: 2 B a weight over the link instead of 4, and no
-fp32 landing chunks on the GPU. Otherwise (bf16 master, fp32 weights, the CPU) the master goes up as it is, into
-one of two landing chunks on the GPU, and is cast there. On the CPU the cast goes straight into the weights.
+By default the master goes up as it is, into one of two landing chunks on the GPU, and is cast there. With
+HOST_CAST, an fp32 master and 16-bit weights (fp16 or bf16 training, fp32 optimizer states), fitone's fp32 Adam
+writes the new master's 16-bit cast as it goes (fitone.zero2.adam32's `out`: the same round-to-nearest bits) into
+one of two page-locked host chunks, and that goes up: 2 B a weight over the link instead of 4, and no landing
+chunks on the GPU; on the CPU the cast goes straight into the weights. It is off because on an H100 the CPU's Adam
+slowed more than the link gained (bench/NOTES.md, 2026-12-08).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 import torch
 
-HOST_CAST = True  # tests set it False to run the GPU cast it replaces (the same bits)
+HOST_CAST = False  # tests and the bench's A/B set it (read when an Uploads is built)
 
 
 def casts_on_host(master_bytes: int, weight_bytes: int) -> bool:

@@ -172,6 +172,33 @@ def test_the_pipelined_update_reading_16_bits_trains_as_the_widening_one_bit_for
 
 
 @pytest.mark.numeric
+@pytest.mark.parametrize("speculative", [False, True])
+def test_the_cast_written_by_the_op_trains_as_the_cast_after_it_bit_for_bit(monkeypatch, speculative):
+    """fitone.zero2.upload.HOST_CAST (opt-in): the op writes each chunk's 16-bit cast as it steps it (on the CPU
+    straight into the weights), against the cast copied after it; with the speculation, the chunks it kept or redid
+    are cast after. Clip 1.0 clips, 3 micro-batches a step: the same bits."""
+    from test_speculative import identical, make_engine, train
+
+    from fitone.zero2 import upload
+
+    casts, op = [], adam32.adamw
+    monkeypatch.setattr(adam32, "adamw", lambda *args, **kwargs: (casts.append(kwargs.get("out") is not None),
+                                                                  op(*args, **kwargs))[1])
+    runs = []
+    for on_host in (True, False):
+        monkeypatch.setattr(upload, "HOST_CAST", on_host)
+        engine = make_engine("bf16", speculative=speculative, grad_accum=3, clip=1.0)
+        try:
+            assert engine.overlap.uploads.on_host == on_host
+            runs.append(train(engine, 5, 3))
+        finally:
+            engine.close()
+        assert any(casts) == on_host  # the op wrote casts only where asked
+        casts.clear()
+    assert identical(*runs)
+
+
+@pytest.mark.numeric
 def test_the_speculative_update_reading_16_bits_trains_as_the_widening_pipelined_one(monkeypatch):
     """The speculation runs the update's own kernel, so it reads 16 bits too, and is kept: still bit for bit."""
     from test_speculative import identical, make_engine, train
