@@ -1,3 +1,4 @@
+# (ran on commit 4271b3d, where HOST_CAST was on and the A/B tool was fitone-gpu-cast; today: --tools fitone-host-cast,fitone)
 # 2026-12-08 call 1 (NOTES 2026-12-08): t5-3b (fp16, 128/128, 23 GiB cap) at micro-batches 8 and 64, 2 warm-up + 10
 # timed steps and a split step, side by side in one run: fitone's defaults (the cast on the host) and
 # fitone-gpu-cast (the fp32 master sent up and cast on the GPU, as before). Builds the ops first (BUILD_OPS=1).

@@ -1,0 +1,4 @@
+# 2026-12-08 call 4 (bars 1 and 2 of issue 29): t5-3b (fp16, 128/128, 23 GiB cap but for the uncapped tool) at
+# micro-batches 8 and 64, 2 warm-up + 5 timed steps, side by side in one run: stock DeepSpeed ZeRO-2 offload, fitone's
+# defaults, plain PyTorch on the whole GPU. Cut to 5 steps to fit the session's last device minutes.
+source bench/results/2026-12-08-gpu/prelude.sh >/dev/null; W=$OUT/c4; mkdir -p $W/bench; find fitone tests -type f \( -name "*.py" -o -name "*.cpp" -o -name "*.cu" -o -name "*.json" \) | LC_ALL=C sort | xargs sha256sum > $W/tree-sums.txt; timeout -s KILL 380 python3 scripts/bench_tools.py --tools deepspeed,fitone,torch-plain-uncapped --batch-sizes 8,64 --same-process --warmup 2 --steps 5 --out $W/bench/ --log-dir --budget 370 > $W/bench/bench.log 2>&1; echo "exit $? after $SECONDS s" >> $W/bench/bench.log; tail -n 12 $W/bench/bench.log

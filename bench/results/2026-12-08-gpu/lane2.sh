@@ -1,0 +1,3 @@
+# 2026-12-08 lane 2: tests/gpu/test_gpu_adam_gpu.py again, on call 3's warm H100, after its engine test lost an
+# assertion that no longer held (uploads.on_host, once HOST_CAST went off by default). OUT is the device's output folder.
+source bench/results/2026-12-08-gpu/prelude.sh >/dev/null; mkdir -p $OUT/lane2; find fitone tests -type f \( -name "*.py" -o -name "*.cpp" -o -name "*.cu" -o -name "*.json" \) | LC_ALL=C sort | xargs sha256sum > $OUT/lane2/tree-sums.txt; FITONE_GPU_LANE_OUT=$OUT/lane2 timeout -s KILL 300 python3 -m pytest -m gpu -v -p no:cacheprovider tests/gpu/test_gpu_adam_gpu.py > $OUT/lane2/pytest.log 2>&1; echo "exit $?" >> $OUT/lane2/pytest.log; tail -n 8 $OUT/lane2/pytest.log
