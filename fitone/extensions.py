@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from fitone import notice
+
 OPS = {"cpu_adam": "DeepSpeed's CPU Adam", "deepspeed_shm_comm": "DeepSpeed's shared-memory collectives (shm_comm)",
        "fitone_adam16": "fitone's fused 16-bit Adam step",
        "fitone_adam32": "fitone's exact fp32 AdamW from 16-bit gradients",
@@ -43,8 +45,7 @@ RECHECK_S = 0.5  # a lock with no holder is looked at twice: its builder closes 
 
 
 def _say(text: str) -> None:
-    if os.environ.get("RANK", "0") == "0":  # one line per run, not one per rank
-        print(f"fitone: {text}", flush=True)
+    notice.say(text)  # one line per run, not one per rank
 
 
 def extensions_root() -> Path:

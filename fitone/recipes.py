@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
+from fitone import notice
 from fitone.config import TrainConfig, check_keys
 from fitone.errors import ConfigError
 
@@ -103,8 +104,8 @@ class Recipe:
         cfg = TrainConfig.from_dict(values, where=f"recipe {self.name}")
         if cfg.takes_gpu_adam_share():
             return cfg.replace(gpu_adam_share=share)
-        print(f"fitone: recipe {self.name}'s gpu_adam_share {share} shares the fp32 pipelined update's CPU Adam, "
-              "which these options do not run: training without it", flush=True)
+        notice.say(f"recipe {self.name}'s gpu_adam_share {share} shares the fp32 pipelined update's CPU Adam, "
+                   "which these options do not run: training without it")
         return cfg
 
 

@@ -101,6 +101,11 @@ def resolve(cfg: TrainConfig) -> Run:
     if cfg.precision == "auto" and device == "cpu" and run.is_main:
         print("fitone: no GPU: training in fp32 on the CPU (fp16 needs a CUDA GPU; --precision bf16 is "
               "faster on CPUs with bf16 instructions)", flush=True)
+    if cfg.gpu_adam_share and not run.mode.gpu_share and run.is_main:  # e.g. a recipe's share, off its one GPU
+        where = ("on the CPU" if device == "cpu" else f"on {run.dist.world_size} ranks" if run.dist.world_size > 1
+                 else "under DeepSpeed's step")
+        print(f"fitone: gpu_adam_share {cfg.gpu_adam_share} steps part of one GPU's pipelined update: {where} the "
+              "CPU steps every chunk", flush=True)
     return run
 
 

@@ -268,3 +268,24 @@ def test_a_recipe_s_gpu_adam_share_gives_way_to_options_that_take_another_step(c
     with pytest.raises(ConfigError, match="--gpu-adam-share shares"):  # a typed share, however its key is spelled
         load_recipe("llama-7b/24gb").config(**{"optimizer-states": "bf16", "gpu-adam-share": share})
     assert main(["plan", "--recipe", "llama-7b/24gb", "--optimizer-states", "bf16", "--gpu-mem", "24GiB"]) == 0
+
+
+def test_a_recipe_s_gpu_adam_share_off_its_one_gpu_is_said_once_by_rank_0(monkeypatch, capsys):
+    """On the CPU (no GPU to share with) the run says in one line that the CPU steps every chunk; under a
+    launcher the recipe's lines are said by rank 0 only (fitone.notice)."""
+    from fitone.run import resolve
+
+    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT="29512", RANK="0", LOCAL_RANK="0",
+                           WORLD_SIZE="1", DS_ACCELERATOR="cpu").items():
+        monkeypatch.setenv(key, value)
+    run = resolve(load_recipe("llama-7b/24gb").config(model="llama-7b", device="cpu", from_scratch=True,
+                                                      max_gpu_memory=None))
+    out = capsys.readouterr().out
+    assert run.settings.gpu_adam_share > 0 and run.mode.gpu_share == 0.0
+    assert out.count("gpu_adam_share") == 1 and "on the CPU the CPU steps every chunk" in out, out
+    monkeypatch.setenv("RANK", "1")
+    assert load_recipe("llama-7b/24gb").config(optimizer_states="bf16").gpu_adam_share == 0.0
+    assert capsys.readouterr().out == ""
+    monkeypatch.setenv("RANK", "0")
+    load_recipe("llama-7b/24gb").config(optimizer_states="bf16")
+    assert "training without it" in capsys.readouterr().out
