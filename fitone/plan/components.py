@@ -267,9 +267,9 @@ def _host_components(st: _Setup, offload: bool) -> list[Component]:
                 Component("process baseline", "overhead", baseline, "python, torch, CUDA, DeepSpeed")]
     if st.pipelined_update:  # the lean host layout (fitone.zero2.layout): the arithmetic's 14 B/param, little else
         chunks = upload.buffer_bytes(min(overlap.UPLOAD_CHUNK, part), st.master, w)[1] if st.on_gpu else 0
-        cast = [Component("pipelined-update upload chunks", "buffers", chunks,
-                          "two page-locked 16-bit chunks: Adam writes the master's cast there, and it goes up")]
-        return _lean_host_components(st, part) + (cast if chunks else []) + [
+        cast = [Component("pipelined-update upload chunks", "buffers", chunks, "two page-locked 16-bit chunks: Adam "
+                          "writes the master's cast there, and it goes up")] if chunks else []
+        return _lean_host_components(st, part) + cast + [
             Component("process baseline", "overhead", baseline, "python, torch, CUDA, DeepSpeed")]
     pin = _pow2 if st.pin_memory else (lambda x: x)
     pinned = " pinned" if st.pin_memory else ""

@@ -188,8 +188,8 @@ class OverlappedStep:
 class PipelinedUpdate(OverlappedStep):
     """Step N's update, chunk by chunk in flat-buffer order (the order the model's parameters are
     declared, which is close to the order the forward uses them), runs while step N+1's forward runs.
-    Each chunk goes up into the 16-bit weights through fitone.zero2.upload (cast on the host as Adam writes it, with
-    an fp32 master and 16-bit weights).
+    Each chunk's master goes up into the 16-bit weights through fitone.zero2.upload: as it is, cast on the GPU (its
+    opt-in HOST_CAST: cast on the host as Adam writes it).
 
     On the lean host layout (`host`, fitone.zero2.layout.LeanHost; the engine's case) Adam reads each chunk's bf16
     gradient as it is (fitone.zero2.adam32, PyTorch's fused AdamW's bits; fp16 ones, or where its op cannot be

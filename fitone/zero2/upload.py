@@ -53,10 +53,14 @@ class Uploads:
         blocks until then; it was queued two chunks ago); on the CPU `target` itself."""
         if not self.on_host or self.stream is None:
             return target if self.on_host else None
+        return self._free(target.numel())
+
+    def _free(self, n: int) -> torch.Tensor:
+        """The next host chunk's first n elements, once its last upload has read it."""
         sent = self._sent[self._k % 2]
         if sent is not None:
             sent.synchronize()
-        return self._chunks[self._k % 2][:target.numel()]
+        return self._chunks[self._k % 2][:n]
 
     def send(self, master: torch.Tensor, target: torch.Tensor, cast: bool) -> torch.cuda.Event | None:
         """Queue `master` (the page-locked slice Adam just stepped) into `target` (the weights' slice); `cast`: `out`
@@ -68,8 +72,7 @@ class Uploads:
         n = master.numel()
         chunk = self._chunks[self._k % 2][:n]
         if self.on_host and not cast:  # a chunk stepped by a kernel that writes no cast (DeepSpeed's, an undo)
-            self.out(target)
-            chunk.copy_(master)
+            self._free(n).copy_(master)
         with torch.cuda.stream(self.stream):  # the side stream runs in order: a GPU chunk is free two uploads on
             if self.on_host:
                 target.copy_(chunk, non_blocking=True)
